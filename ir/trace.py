@@ -167,9 +167,10 @@ def trace(model: str | ModelConfig, micro_batch: int, seq_len: int, dtype: str |
     carry_in: list[TensorSpec] = []
     with torch.device("meta"):
         for index, name in enumerate(unit_names(config)):
-            key = template_key(name)
+            key = template_key(config, name)
+            kind = tmpls[key].kind
             tmpl = tmpls[key]
-            inputs = _unit_inputs(key, config, micro_batch, seq_len, dt, loss_chunk, target)
+            inputs = _unit_inputs(kind, config, micro_batch, seq_len, dt, loss_chunk, target)
             cache_key = (key, tuple((s.shape, s.dtype) for s in carry_in))
             if cache_key not in cache:
                 layout, numel = template_layout(tmpl)
@@ -179,13 +180,13 @@ def trace(model: str | ModelConfig, micro_batch: int, seq_len: int, dtype: str |
             m = cache[cache_key]
             carry_out = [s.replace(name=f"{name}.out{i}") for i, s in enumerate(m["carry_out"])]
             units.append(UnitIR(
-                name=name, index=index, kind=key, template=key, params=m["layout"], flat_numel=m["flat_numel"],
+                name=name, index=index, kind=kind, template=key, params=m["layout"], flat_numel=m["flat_numel"],
                 tied=tied_params(config, name),
                 carry_in=tuple(s.replace(name=f"{name}.in{i}") for i, s in enumerate(carry_in)),
                 carry_out=tuple(carry_out), flops_fwd=m["flops_fwd"], flops_bwd=m["flops_bwd"],
                 saved_bytes=m["saved_bytes"], peak_fwd_bytes=m["peak_fwd_bytes"],
                 peak_bwd_bytes=m["peak_bwd_bytes"], graph_nodes=m["graph_nodes"]))
-            carry_in = [] if key == "head" else carry_out
+            carry_in = [] if kind == "head" else carry_out
     names = [u.name for u in units]
     edges = [(a, b, "carry") for a, b in zip(names, names[1:])]
     edges += [(u.tied[p].split(".")[0], u.name, "tied") for u in units for p in u.tied]

@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .depth.spec import parse_depth
+
 MAX_TENSOR_NUMEL = 2**36  # 64G elements: 128 GiB in bf16, more than any GPU holds as one unit's weight
 MAX_LAYERS = 4096
 
@@ -33,6 +35,8 @@ class ModelConfig(BaseModel):
     qk_norm: bool = Field(False, description="RMSNorm on queries and keys per head (Qwen3, OLMo2)")
     max_seq_len: int = Field(4096, description="longest sequence the model is configured for")
     init_std: float = Field(0.02, description="standard deviation of the normal weight init")
+    depth_mixing: str = Field("residual", description="how sub-layers read and write the depth state: residual, "
+                              "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
 
     @field_validator("vocab_size", "d_model", "n_layers", "n_heads", "ffn_dim", "max_seq_len")
     @classmethod
@@ -40,6 +44,11 @@ class ModelConfig(BaseModel):
         if v <= 0:
             raise ValueError(f"{info.field_name} must be a positive integer, got {v}")
         return v
+
+    @field_validator("depth_mixing")
+    @classmethod
+    def _depth_spec(cls, v: str) -> str:
+        return str(parse_depth(v))
 
     @field_validator("n_kv_heads")
     @classmethod
@@ -88,12 +97,15 @@ class ModelConfig(BaseModel):
 
     def n_params(self) -> int:
         """Analytic parameter count (the traced count must agree)."""
+        from . import depth
+
         d, hd = self.d_model, self.head_dim
         q, kv = self.n_heads * hd, self.kv_heads * hd
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
         block = attn + 3 * d * self.ffn_dim + 2 * d
         embed = self.vocab_size * d
-        return embed + self.n_layers * block + d + (0 if self.tie_embeddings else embed)
+        dense = embed + self.n_layers * block + d + (0 if self.tie_embeddings else embed)
+        return dense + depth.n_params(self)
 
 
 def _divisors(n: int, limit: int = 8) -> list[int]:

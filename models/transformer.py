@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import depth
 from .config import ModelConfig
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 
@@ -128,21 +129,59 @@ class EmbedUnit(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
 
+        mixer = depth.embed_mixer(c)
+        if mixer is not None:
+            self.mix = mixer
+
     def forward(self, carry: Carry, inputs: StepInputs) -> Carry:
-        return (self.embed_tokens(inputs.tokens),)
+        v0 = self.embed_tokens(inputs.tokens)
+        return self.mix(v0) if hasattr(self, "mix") else (v0,)
+
+
+def make_ffn(c: ModelConfig, layer: int) -> nn.Module:
+    """The feed-forward sub-layer of block `layer`."""
+    return MLP(c)
+
+
+def ffn_key(c: ModelConfig, layer: int) -> str:
+    """Template-key suffix for block `layer`'s feed-forward structure ("" for the dense MLP)."""
+    return ""
+
+
+def ffn_init_param(c: ModelConfig, name: str, shape: tuple[int, ...], g: torch.Generator) -> Tensor | None:
+    """The initial value of a feed-forward parameter that the default rule does not cover, else None."""
+    return None
 
 
 class BlockUnit(nn.Module):
+    """Two sub-layers, attention then feed-forward, each pre-normed. How their inputs are read from and
+    their outputs written to the depth state (the carry) is the depth mixing's business (models/depth/);
+    without one (`residual`) it is h += f(h)."""
+
     kind = "block"
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, layer: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(c.d_model, c.norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.d_model, c.norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = make_ffn(c, layer)
+        mixer = depth.block_mixer(c, layer)
+        if mixer is not None:
+            self.mix = mixer
 
-    def forward(self, carry: Carry, inputs: StepInputs) -> Carry:
+    def sublayers(self, inputs: StepInputs):
+        def attn(h: Tensor) -> Tensor:
+            return self.self_attn(self.input_layernorm(h), inputs.cos, inputs.sin, inputs.target)
+
+        def ffn(h: Tensor) -> Tensor:
+            return self.mlp(self.post_attention_layernorm(h))
+
+        return attn, ffn
+
+    def forward(self, carry: Carry, inputs: StepInputs, **mode) -> Carry:
+        if hasattr(self, "mix"):
+            return self.mix(carry, self.sublayers(inputs), **mode)
         (h,) = carry
         h = h + self.self_attn(self.input_layernorm(h), inputs.cos, inputs.sin, inputs.target)
         return (h + self.mlp(self.post_attention_layernorm(h)),)
@@ -155,10 +194,16 @@ class HeadUnit(nn.Module):
         super().__init__()
         self.norm = RMSNorm(c.d_model, c.norm_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        mixer = depth.head_mixer(c)
+        if mixer is not None:
+            self.mix = mixer
+
+    def final(self, carry: Carry) -> Tensor:
+        """The input of the final norm: the depth state read out."""
+        return self.mix(carry) if hasattr(self, "mix") else carry[0]
 
     def forward(self, carry: Carry, inputs: StepInputs) -> Carry:
-        (h,) = carry
-        x = self.norm(h)
+        x = self.norm(self.final(carry))
         x = x.reshape(-1, x.shape[-1])
         return (chunked_cross_entropy(x, self.lm_head.weight, inputs.targets.reshape(-1), inputs.loss_chunk),)
 
@@ -167,15 +212,26 @@ def unit_names(config: ModelConfig) -> list[str]:
     return ["embed", *(f"blocks.{i}" for i in range(config.n_layers)), "head"]
 
 
-def template_key(unit: str) -> str:
-    """Units sharing a structure share a template: all blocks of a dense model run one template."""
-    return unit.split(".")[0].removesuffix("s")
+def template_key(config: ModelConfig, unit: str) -> str:
+    """Units sharing a structure share a template: all blocks of a plain dense model run one template;
+    depth mixings whose state grows with depth, and a dense first block of an MoE, make more."""
+    if unit in ("embed", "head"):
+        return unit
+    layer = int(unit.split(".")[1])
+    return "block" + depth.block_key(config, layer) + ffn_key(config, layer)
 
 
 def templates(config: ModelConfig) -> dict[str, nn.Module]:
     """One stateless template per distinct unit structure, on the meta device (no weight memory)."""
+    out: dict[str, nn.Module] = {}
     with torch.device("meta"):
-        return {"embed": EmbedUnit(config), "block": BlockUnit(config), "head": HeadUnit(config)}
+        out["embed"] = EmbedUnit(config)
+        for layer in range(config.n_layers):
+            key = template_key(config, f"blocks.{layer}")
+            if key not in out:
+                out[key] = BlockUnit(config, layer)
+        out["head"] = HeadUnit(config)
+    return out
 
 
 def tied_params(config: ModelConfig, unit: str) -> dict[str, str]:
@@ -192,7 +248,7 @@ class EagerModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed = EmbedUnit(config)
-        self.blocks = nn.ModuleList(BlockUnit(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleList(BlockUnit(config, i) for i in range(config.n_layers))
         self.head = HeadUnit(config)
         if config.tie_embeddings:
             self.head.lm_head.weight = self.embed.embed_tokens.weight
@@ -205,7 +261,7 @@ class EagerModel(nn.Module):
         for block in self.blocks:
             carry = block(carry, inputs)
         # NOTE: full logits and F.cross_entropy on purpose: an independent check of the chunked loss.
-        logits = self.head.lm_head(self.head.norm(carry[0])).float()
+        logits = self.head.lm_head(self.head.norm(self.head.final(carry))).float()
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
                                ignore_index=IGNORE_INDEX)
 
@@ -221,7 +277,13 @@ def init_weights(config: ModelConfig, seed: int = 0, names: list[str] | None = N
     out: dict[str, Tensor] = {}
     for name in names if names is not None else shapes:
         shape = shapes[name]
-        if name.endswith("norm.weight"):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        custom = depth.init_param(config, name, shape, g)
+        if custom is None:
+            custom = ffn_init_param(config, name, shape, g)
+        if custom is not None:
+            out[name] = custom
+        elif name.endswith("norm.weight"):
             out[name] = torch.ones(shape)
         elif name.endswith(".bias"):
             out[name] = torch.zeros(shape)
@@ -229,7 +291,6 @@ def init_weights(config: ModelConfig, seed: int = 0, names: list[str] | None = N
             std = config.init_std
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std /= (2 * config.n_layers) ** 0.5
-            g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
             out[name] = torch.randn(shape, generator=g) * std
     return out
 
