@@ -139,6 +139,9 @@ def _carry_out(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: tor
     carry = tuple(torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in carry_in)
     with torch.no_grad():
         out = run_unit(template, params, carry, inputs)
+    for i, t in enumerate(out):
+        if not t.is_contiguous():  # an offloaded copy would be contiguous, and kernels may sum differently
+            raise ValueError(f"unit {unit} returns a non-contiguous carry (output {i}); make it .contiguous()")
     return [TensorSpec(name=f"{unit}.out{i}", shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
             for i, t in enumerate(out)]
 

@@ -64,11 +64,11 @@ def block_key(config: ModelConfig, layer: int) -> str:
 
 
 def init_param(config: ModelConfig, name: str, shape: tuple[int, ...], g) -> Tensor | None:
-    """The initial value of a depth-mixing parameter (`*.mix.*`), else None."""
+    """The initial value of a depth-mixing parameter (eager name `<unit>.mix.<path>`), else None."""
     m = _module(spec_of(config))
     if m is None or ".mix." not in name:
         return None
-    return m.init_param(config, spec_of(config), name.split(".mix.", 1)[1], shape, g)
+    return m.init_param(config, spec_of(config), name, shape, g)
 
 
 def n_params(config: ModelConfig) -> int:

@@ -65,6 +65,24 @@ def test_streamed_equals_eager_for_model_variants(variant):
         _assert_same(store, losses, model, eager_losses, bit_exact=not config.tie_embeddings)
 
 
+DEPTH_MIXINGS = ["denseformer", "denseformer:2x2", "hc:2", "hc-dynamic:2", "attnres:3", "depthssd:4"]
+
+
+@pytest.mark.parametrize("mixing", DEPTH_MIXINGS)
+def test_streamed_equals_eager_for_depth_mixing(mixing):
+    """Every depth mixing streams exactly: its state is the units' carry, checkpointed, offloaded or kept."""
+    config = ModelConfig(**{**TINY.model_dump(), "n_layers": 3, "depth_mixing": mixing})
+    train = TrainSpec(micro_batch=2, seq_len=32, grad_accum=2, dtype="fp32", lr=2e-3, warmup_steps=1,
+                      total_steps=3, weight_decay=0.1, clip_norm=1.0)
+    batches = make_batches(config, train, steps=3)
+    model, eager_losses = eager_train(config, batches, train)
+    plans = plans_by_shape(config, train, budgets_mib=(2, 3, 4, 6, 64))
+    assert {"host", "device"} <= set().union(*(pl for _, pl in plans)), plans.keys()
+    for p in plans.values():
+        store, losses, _ = streamed_train(p, batches)
+        _assert_same(store, losses, model, eager_losses)
+
+
 def test_losses_fall_and_weights_move():
     """Guard against a vacuous pass: training changes the weights and the loss."""
     train = _train(1, None)
