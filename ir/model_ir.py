@@ -61,7 +61,7 @@ class UnitIR(IRModel):
         default_factory=dict,
         description="parameter name -> 'unit.param' it shares storage with in the model (tied embeddings)",
     )
-    buffers: tuple[TensorSpec, ...] = ()
+    buffers: tuple[TensorSpec, ...] = Field((), description="state that is not a parameter (MoE routing), fp32")
     carry_in: tuple[TensorSpec, ...]
     carry_out: tuple[TensorSpec, ...]
     flops_fwd: int = Field(description="forward FLOPs for one micro-batch (FlopCounterMode)")
@@ -72,6 +72,10 @@ class UnitIR(IRModel):
         description="peak of bytes allocated inside forward-with-grad plus autograd.grad, gradients included"
     )
     graph_nodes: int = Field(0, description="nodes in the torch.fx graph of the unit's template")
+    rebuild_bytes: int | None = Field(
+        None, description="bytes the forward records so the backward can rebuild the carry-in from the carry-out "
+        "(DepthSSD: its sub-layer inputs); None when the unit cannot rebuild"
+    )
 
     @property
     def n_params(self) -> int:
@@ -93,6 +97,15 @@ class UnitIR(IRModel):
     @property
     def buffer_bytes(self) -> int:
         return sum(t.nbytes for t in self.buffers)
+
+    def buffer_offset(self, dtype: str) -> int:
+        """Byte offset of the unit's buffers in a parameter slot: after its flat parameters in `dtype`, on a
+        64-byte boundary. Buffers (fp32, packed in `buffers` order) stream with the unit, in its slot."""
+        return -(-self.param_bytes(dtype) // 64) * 64
+
+    def slot_bytes(self, dtype: str) -> int:
+        """Bytes of a parameter slot holding this unit: its parameters, then its buffers if it has any."""
+        return self.buffer_offset(dtype) + self.buffer_bytes if self.buffers else self.param_bytes(dtype)
 
 
 class ModelIR(IRModel):

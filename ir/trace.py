@@ -9,6 +9,9 @@ Each distinct (template, carry shapes) pair is traced once, however many units r
 - saved-tensor hooks measure what autograd keeps for backward (parameters and inputs excluded);
 - a dispatch mode follows every storage an op creates until it dies, giving the transient peak inside the
   unit for a no-grad forward and for forward-with-grad followed by autograd.grad.
+Units with MoE layers (models/moe.py) trace with static shapes: every expert takes the expected tokens, so
+FLOPs are those of the expected active tokens; their memory is measured again with ET experts at training
+capacity (routing.capacity_bound), so the plan bounds what a step can keep. Their buffers are recorded.
 """
 
 from __future__ import annotations
@@ -17,13 +20,16 @@ import time
 import weakref
 
 import torch
+from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from megatrain.models import routing
 from megatrain.models.binding import run_unit, template_layout
 from megatrain.models.config import ModelConfig
+from megatrain.models.moe import moe_layers
 from megatrain.models.presets import load_model_config
 from megatrain.models.transformer import (
     StepInputs,
@@ -97,20 +103,36 @@ def _unit_inputs(kind: str, config: ModelConfig, mb: int, seq: int, dt: torch.dt
                       cos=cos, sin=sin, loss_chunk=loss_chunk, target=target)
 
 
+def _buffers(template) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros(b.shape, dtype=b.dtype) for n, b in template.named_buffers()}
+
+
+def _measure_unit(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch.dtype) -> dict:
+    """_measure as a training step runs the unit; an ET unit's memory again at its routing capacity."""
+    with routing.step_context(None, 1.0):
+        m = _measure(template, carry_in, inputs, dt)
+        if any(layer.moe.router == "et" for _, layer in moe_layers(template)):
+            with routing.capacity_bound():
+                bound = _measure(template, carry_in, inputs, dt)
+            m.update({k: bound[k] for k in ("saved_bytes", "peak_fwd_bytes", "peak_bwd_bytes")})
+    return m
+
+
 def _measure(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch.dtype) -> dict:
     """FLOPs, saved bytes, transient peaks and fx graph size of one template, all on meta tensors."""
     params = {n: torch.empty(p.shape, dtype=dt, requires_grad=True) for n, p in template.named_parameters()}
+    buffers = _buffers(template)
     carry = tuple(torch.empty(s.shape, dtype=DTYPES[s.dtype], requires_grad=True) for s in carry_in)
-    known = {t.untyped_storage()._cdata for t in (*params.values(), *carry)}
+    known = {t.untyped_storage()._cdata for t in (*params.values(), *buffers.values(), *carry)}
     for t in (inputs.tokens, inputs.targets, inputs.cos, inputs.sin):
         if t is not None:
             known.add(t.untyped_storage()._cdata)
 
-    graph = make_fx(lambda p, c: run_unit(template, p, c, inputs))(params, carry)
+    graph = make_fx(lambda p, c: run_unit(template, p, c, inputs, buffers))(params, carry)
     graph_nodes = len(graph.graph.nodes)
 
     with torch.no_grad(), _LiveBytes() as fwd_mem:
-        out = run_unit(template, params, carry, inputs)
+        out = run_unit(template, params, carry, inputs, buffers)
     del out
 
     saved: dict[int, int] = {}
@@ -124,7 +146,7 @@ def _measure(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch
     fwd_flops, bwd_flops = FlopCounterMode(display=False), FlopCounterMode(display=False)
     with _LiveBytes() as bwd_mem:
         with fwd_flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = run_unit(template, params, carry, inputs)
+            out = run_unit(template, params, carry, inputs, buffers)
         grads_out = [torch.ones_like(o) for o in out]
         with bwd_flops:
             grads = torch.autograd.grad(out, [*params.values(), *carry], grads_out, allow_unused=True)
@@ -134,11 +156,22 @@ def _measure(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch
                 graph_nodes=graph_nodes)
 
 
+def _rebuild_bytes(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch.dtype) -> int | None:
+    """Bytes a unit that can rebuild its carry-in from its carry-out records in its forward, else None."""
+    if not getattr(template, "can_rebuild", False):
+        return None
+    params = {n: torch.empty(p.shape, dtype=dt) for n, p in template.named_parameters()}
+    carry = tuple(torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in carry_in)
+    with torch.no_grad():
+        _, side = functional_call(template, params, (carry, inputs), {"record": True}, strict=False)
+    return sum(t.nbytes for t in side)
+
+
 def _carry_out(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch.dtype, unit: str):
     params = {n: torch.empty(p.shape, dtype=dt) for n, p in template.named_parameters()}
     carry = tuple(torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in carry_in)
     with torch.no_grad():
-        out = run_unit(template, params, carry, inputs)
+        out = run_unit(template, params, carry, inputs, _buffers(template))
     for i, t in enumerate(out):
         if not t.is_contiguous():  # an offloaded copy would be contiguous, and kernels may sum differently
             raise ValueError(f"unit {unit} returns a non-contiguous carry (output {i}); make it .contiguous()")
@@ -178,17 +211,20 @@ def trace(model: str | ModelConfig, micro_batch: int, seq_len: int, dtype: str |
             if cache_key not in cache:
                 layout, numel = template_layout(tmpl)
                 out = _carry_out(tmpl, carry_in, inputs, dt, name)
-                cache[cache_key] = dict(layout=layout, flat_numel=numel, carry_out=out,
-                                        **_measure(tmpl, carry_in, inputs, dt))
+                buffers = tuple(TensorSpec(name=n, shape=tuple(b.shape), dtype="float32")
+                                for n, b in tmpl.named_buffers())
+                cache[cache_key] = dict(layout=layout, flat_numel=numel, carry_out=out, buffers=buffers,
+                                        rebuild_bytes=_rebuild_bytes(tmpl, carry_in, inputs, dt),
+                                        **_measure_unit(tmpl, carry_in, inputs, dt))
             m = cache[cache_key]
             carry_out = [s.replace(name=f"{name}.out{i}") for i, s in enumerate(m["carry_out"])]
             units.append(UnitIR(
                 name=name, index=index, kind=kind, template=key, params=m["layout"], flat_numel=m["flat_numel"],
-                tied=tied_params(config, name),
+                tied=tied_params(config, name), buffers=m["buffers"],
                 carry_in=tuple(s.replace(name=f"{name}.in{i}") for i, s in enumerate(carry_in)),
                 carry_out=tuple(carry_out), flops_fwd=m["flops_fwd"], flops_bwd=m["flops_bwd"],
                 saved_bytes=m["saved_bytes"], peak_fwd_bytes=m["peak_fwd_bytes"],
-                peak_bwd_bytes=m["peak_bwd_bytes"], graph_nodes=m["graph_nodes"]))
+                peak_bwd_bytes=m["peak_bwd_bytes"], graph_nodes=m["graph_nodes"], rebuild_bytes=m["rebuild_bytes"]))
             carry_in = [] if kind == "head" else carry_out
     names = [u.name for u in units]
     edges = [(a, b, "carry") for a, b in zip(names, names[1:])]

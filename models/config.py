@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .depth.spec import parse_depth
+from .moe import MoEConfig
 
 MAX_TENSOR_NUMEL = 2**36  # 64G elements: 128 GiB in bf16, more than any GPU holds as one unit's weight
 MAX_LAYERS = 4096
@@ -37,6 +38,7 @@ class ModelConfig(BaseModel):
     init_std: float = Field(0.02, description="standard deviation of the normal weight init")
     depth_mixing: str = Field("residual", description="how sub-layers read and write the depth state: residual, "
                               "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
+    moe: MoEConfig | None = Field(None, description="mixture-of-experts feed-forward (models/moe.py); None: dense")
 
     @field_validator("vocab_size", "d_model", "n_layers", "n_heads", "ffn_dim", "max_seq_len")
     @classmethod
@@ -82,10 +84,21 @@ class ModelConfig(BaseModel):
         if largest > MAX_TENSOR_NUMEL:
             raise ValueError(f"a weight of {largest:,} elements exceeds {MAX_TENSOR_NUMEL:,}, the most one unit "
                              "can stream; reduce d_model, ffn_dim or vocab_size")
+        if self.moe is not None:
+            self._check_moe(self.moe)
         if self.n_layers > MAX_LAYERS:
             raise ValueError(f"n_layers={self.n_layers} exceeds {MAX_LAYERS}, the most the planner schedules; "
                              "use fewer, wider layers")
         return self
+
+    def _check_moe(self, moe: MoEConfig) -> None:
+        if not moe.layers(self.n_layers):
+            raise ValueError("moe.dense_first leaves no MoE block in a 1-layer model; set moe.dense_first to "
+                             "false or add layers")
+        stacked = moe.n_experts * moe.width(self.d_model) * self.d_model
+        if stacked > MAX_TENSOR_NUMEL:
+            raise ValueError(f"the stacked expert weights hold {stacked:,} elements, more than {MAX_TENSOR_NUMEL:,} "
+                             "one unit can stream; use fewer or narrower experts (moe.n_experts, moe.expert_dim)")
 
     @property
     def kv_heads(self) -> int:
@@ -102,10 +115,12 @@ class ModelConfig(BaseModel):
         d, hd = self.d_model, self.head_dim
         q, kv = self.n_heads * hd, self.kv_heads * hd
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
-        block = attn + 3 * d * self.ffn_dim + 2 * d
+        ffn = 3 * d * self.ffn_dim
+        block = attn + ffn + 2 * d
         embed = self.vocab_size * d
         dense = embed + self.n_layers * block + d + (0 if self.tie_embeddings else embed)
-        return dense + depth.n_params(self)
+        moe = 0 if self.moe is None else len(self.moe.layers(self.n_layers)) * (self.moe.ffn_params(d) - ffn)
+        return dense + moe + depth.n_params(self)
 
 
 def _divisors(n: int, limit: int = 8) -> list[int]:

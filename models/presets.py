@@ -12,6 +12,18 @@ Chosen dims (no published model to match):
   (The DepthSSD paper gives only the scales 125M/455M/1B; these dims are ours.)
 - dense-120b: Llama-3 vocab 128256, d 12288, 76 layers, 96 heads / 8 kv (head_dim 128), SwiGLU 32768,
   untied: 119.8B, the size MegaTrain trains on one H200.
+
+Mixture-of-experts (models/moe.py; "active" counts the routed experts a token takes, top_k of E):
+- moe-tiny: tiny's attention dims, block 0 dense (SwiGLU 352), blocks 1-3 MoE with 8 ReLU² experts of width
+  128 + a shared one, ET routing (momentum 0.99, 10 warmup steps: scaled to CPU runs): 1.29M params, 0.60M
+  active, for tests.
+- et-d12: the ET paper's d12 (reference §4): vocab 65536, d 768, 12 layers, 6 heads / 2 kv (head_dim 128),
+  QK-norm, untied; block 0 dense (SwiGLU 2048 ~ the paper's ReLU² 4d in parameters), 16 ReLU² experts of
+  width 2d + 1 shared, ET with the paper's defaults: 565.6M params, 176.3M active (paper: 575M / 195M; with
+  6 kv heads the total would be 575.0M).
+- et-d20: d 1280, 20 layers, 10 heads (head_dim 128, no GQA), SwiGLU 3456 in block 0, else as et-d12:
+  2.429B params, 561.6M active (paper: 2.43B / 561M).
+  Deviations from the paper's nanochat base: learnable RMSNorm weights, no logit softcap.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .config import ModelConfig
+from .moe import MoEConfig
 
 
 def tiny() -> ModelConfig:
@@ -89,6 +102,22 @@ def dense_120b() -> ModelConfig:
                        n_kv_heads=8, ffn_dim=32768, rope_theta=500000.0, max_seq_len=8192)
 
 
+def moe_tiny() -> ModelConfig:
+    return ModelConfig(name="moe-tiny", vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                       ffn_dim=352, max_seq_len=1024,
+                       moe=MoEConfig(n_experts=8, expert_dim=128, momentum=0.99, warmup_steps=10))
+
+
+def et_d12() -> ModelConfig:
+    return ModelConfig(name="et-d12", vocab_size=65536, d_model=768, n_layers=12, n_heads=6, n_kv_heads=2,
+                       ffn_dim=2048, qk_norm=True, max_seq_len=2048, moe=MoEConfig())
+
+
+def et_d20() -> ModelConfig:
+    return ModelConfig(name="et-d20", vocab_size=65536, d_model=1280, n_layers=20, n_heads=10,
+                       ffn_dim=3456, qk_norm=True, max_seq_len=2048, moe=MoEConfig())
+
+
 PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "tiny": tiny,
     "small": small,
@@ -102,6 +131,9 @@ PRESETS: dict[str, Callable[[], ModelConfig]] = {
     "qwen2.5-72b": qwen25_72b,
     "llama3-70b": llama3_70b,
     "dense-120b": dense_120b,
+    "moe-tiny": moe_tiny,
+    "et-d12": et_d12,
+    "et-d20": et_d20,
 }
 
 
@@ -158,7 +190,8 @@ def one_line(e: ValidationError) -> str:
     loc = ".".join(str(p) for p in err["loc"]) or "config"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        msg = f"unknown field; valid fields: {', '.join(ModelConfig.model_fields)}"
+        nested = err["loc"][:1] == ("moe",) and len(err["loc"]) > 1
+        msg = f"unknown field; valid fields: {', '.join((MoEConfig if nested else ModelConfig).model_fields)}"
     elif err["type"] == "missing":
         msg = "required field is missing"
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from . import depth
 from .config import ModelConfig
 from .loss import IGNORE_INDEX, chunked_cross_entropy
+from .moe import MoEFFN, reset_buffers
 
 Carry = tuple[Tensor, ...]
 
@@ -139,17 +140,21 @@ class EmbedUnit(nn.Module):
 
 
 def make_ffn(c: ModelConfig, layer: int) -> nn.Module:
-    """The feed-forward sub-layer of block `layer`."""
-    return MLP(c)
+    """The feed-forward sub-layer of block `layer`: the dense MLP, or an MoE (moe.py) when `c.moe` is set."""
+    return MoEFFN(c) if c.moe is not None and layer in c.moe.layers(c.n_layers) else MLP(c)
 
 
 def ffn_key(c: ModelConfig, layer: int) -> str:
-    """Template-key suffix for block `layer`'s feed-forward structure ("" for the dense MLP)."""
-    return ""
+    """Template-key suffix for block `layer`'s feed-forward structure ("" for the dense MLP and for the MoE
+    blocks of an MoE model, ".dense" for its dense first block)."""
+    return ".dense" if c.moe is not None and layer not in c.moe.layers(c.n_layers) else ""
 
 
 def ffn_init_param(c: ModelConfig, name: str, shape: tuple[int, ...], g: torch.Generator) -> Tensor | None:
-    """The initial value of a feed-forward parameter that the default rule does not cover, else None."""
+    """The initial value of a feed-forward parameter that the default rule does not cover, else None: an MoE
+    router is N(0, d^-1/2), as the ET paper's."""
+    if c.moe is not None and name.endswith(".mlp.router.weight"):
+        return torch.randn(shape, generator=g) * c.d_model**-0.5
     return None
 
 
@@ -169,6 +174,12 @@ class BlockUnit(nn.Module):
         mixer = depth.block_mixer(c, layer)
         if mixer is not None:
             self.mix = mixer
+
+    @property
+    def can_rebuild(self) -> bool:
+        """Whether the backward can rebuild the carry-in from the carry-out (forward `record=True` returns
+        what it needs; `rebuild=` maps back; `side=` recomputes with the recorded inputs)."""
+        return getattr(getattr(self, "mix", None), "rebuildable", False)
 
     def sublayers(self, inputs: StepInputs):
         def attn(h: Tensor) -> Tensor:
@@ -311,4 +322,4 @@ def build_eager(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.f
     with torch.no_grad():
         for name, t in init_weights(config, seed).items():
             model.get_parameter(name).copy_(t)
-    return model.to(dtype)
+    return reset_buffers(model.to(dtype))  # routing buffers: to_empty left them unset, to() would cast them

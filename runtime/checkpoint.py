@@ -7,7 +7,8 @@ Format and guarantees: docs/CHECKPOINTS.md. Run its tests: `.venv/bin/pytest tes
 `ROOT/step-00000120/` holds
 - `<unit>.safetensors` per unit (`embed.safetensors`, `blocks.0.safetensors`, ..., `head.safetensors`):
   `master/<param>`, `exp_avg/<param>`, `exp_avg_sq/<param>` (fp32, the parameter's shape) and `step/<param>`
-  (AdamW's step count, a fp32 scalar) for every parameter the unit owns (HostStore.state_tensors);
+  (AdamW's step count, a fp32 scalar) for every parameter the unit owns, and `buffer/<buffer>` (fp32) for
+  every buffer of the unit (MoE routing state) (HostStore.state_tensors);
 - `state.safetensors`: RNG states as uint8 tensors (`rng/torch_cpu`, and `rng/cuda` on a GPU);
 - `manifest.json`: format, step, model config, train spec, data position, plan hash, the unit layout, every
   file's size and sha256, and the sha256 of the manifest itself.
@@ -324,16 +325,15 @@ def check_train(manifest: dict, train, ckpt: Path) -> None:
 
 
 def _layout(store) -> list[dict]:
-    return [{"name": name, "file": f"{name}.safetensors",
-             "params": [{"name": f"{name}.{p.name}", "shape": list(p.shape)} for p in st.owned]}
-            for name, st in store.units.items()]
+    return [_unit_layout(name, st) for name, st in store.units.items()]
 
 
-def _check_buffers(store) -> None:
-    for st in store.units.values():
-        if st.unit.buffers:
-            raise NotImplementedError(f"unit {st.unit.name} has buffers, which the host store does not hold yet; "
-                                      "checkpoint them with the store when it does")
+def _unit_layout(name: str, st) -> dict:
+    out = {"name": name, "file": f"{name}.safetensors",
+           "params": [{"name": f"{name}.{p.name}", "shape": list(p.shape)} for p in st.owned]}
+    if st.unit.buffers:
+        out["buffers"] = [{"name": f"{name}.{b.name}", "shape": list(b.shape)} for b in st.unit.buffers]
+    return out
 
 
 # -- save and load -----------------------------------------------------------------------------------------------
@@ -343,7 +343,6 @@ def save_checkpoint(root: str | Path, step: int, store, meta: dict, rng: dict[st
 
     `meta` (model, train, data, plan_sha256, ...) goes into the manifest; `after_file(name)` runs after each
     file is written (the trainer's test hook)."""
-    _check_buffers(store)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale(root)
@@ -411,7 +410,6 @@ def check_layout(manifest: dict, store, ckpt: Path) -> None:
 def load_checkpoint(ckpt: Path, manifest: dict, store) -> dict[str, torch.Tensor]:
     """Read every unit file of `ckpt` into `store` (verified), refresh the transfer copies; returns the RNG
     states. Check the model (check_model) before allocating the store, then call this."""
-    _check_buffers(store)
     check_layout(manifest, store, ckpt)
     fix = _earlier(ckpt)
     files = manifest["files"]
@@ -447,8 +445,10 @@ def _read_state(ckpt: Path, files: dict, fix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_masters(ckpt: Path, manifest: dict, unit: dict) -> dict[str, torch.Tensor]:
-    """One unit's fp32 master weights by parameter name, verified (export reads them unit by unit)."""
-    targets = {f"master/{p['name']}": torch.empty(p["shape"], dtype=torch.float32) for p in unit["params"]}
+def read_masters(ckpt: Path, manifest: dict, unit: dict, buffers: bool = False) -> dict[str, torch.Tensor]:
+    """One unit's fp32 master weights by parameter name, then (with `buffers`) its buffers by name, verified
+    (export reads them unit by unit)."""
+    entries = [("master", p) for p in unit["params"]] + [("buffer", b) for b in unit.get("buffers", ()) if buffers]
+    targets = {f"{kind}/{e['name']}": torch.empty(e["shape"], dtype=torch.float32) for kind, e in entries}
     _read_checked(ckpt, unit["file"], manifest["files"], targets, _earlier(ckpt), exact=False)
-    return {name.removeprefix("master/"): t for name, t in targets.items()}
+    return {name.split("/", 1)[1]: t for name, t in targets.items()}

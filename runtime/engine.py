@@ -9,6 +9,12 @@ How a unit runs: its template (models/) is bound to views of the slot holding it
 torch.func.functional_call. Forward runs without autograd and keeps the unit's carry-in as its checkpoint;
 backward recomputes the unit from that checkpoint with autograd, back-propagates with torch.autograd.grad,
 and writes the parameter gradients into a fp32 gradient slot (adding across micro-batches).
+
+Units with buffers (MoE routing state, models/routing.py): load_params copies them into the slot after the
+weights; every unit runs in a routing step context. A forward instruction records the step's routing
+statistics in a RoutingLog per (unit, micro-batch); a backward's recompute routes the same way (the buffers
+change only at the optimizer step) and records nothing. store_grads hands the unit's logs to the host store
+with its gradients, and the store's optimizer step updates the buffers from them.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch
 from megatrain.ir.model_ir import ModelIR, UnitIR
 from megatrain.ir.program import Program
 from megatrain.ir.trace import DTYPES
-from megatrain.models import ModelConfig, StepInputs, rope_tables, run_unit, templates, views
+from megatrain.models import ModelConfig, StepInputs, rope_tables, routing, run_unit, templates, views
+from megatrain.models.binding import buffer_views, slot_buffers
 from megatrain.models.loss import IGNORE_INDEX
 
 from .device import Device
@@ -45,6 +52,7 @@ class Engine:
         self.lr = 0.0
         self.losses: list[torch.Tensor] = []
         self.n_tokens = 0
+        self.routing_logs: dict[str, dict[int, routing.RoutingLog]] = {}  # this step's, by unit and micro-batch
         self.timeline: list[tuple] | None = None  # (stream, label, start, end, pool bytes) when tracing
         self._allocate_static()
 
@@ -73,6 +81,7 @@ class Engine:
         if self.n_tokens == 0:
             raise ValueError("every target of this step is ignored (-100): nothing to train on")
         self.losses = [torch.zeros((), dtype=torch.float32)] * len(batch)
+        self.routing_logs = {}
 
         def place():  # on the compute stream, so the copies are ordered before the step's first use
             dev = self.device.torch_device
@@ -86,6 +95,14 @@ class Engine:
         self.step_index += 1
         return float(sum(float(x) for x in self.losses)) / self.n_tokens
 
+    def routing_metrics(self) -> dict:
+        """The last step's routing metrics (routing.summarize); {} for a model without MoE layers."""
+        moe = self.config.moe
+        if moe is None:
+            return {}
+        logs = {unit: [by_mb[mb].records for mb in sorted(by_mb)] for unit, by_mb in self.routing_logs.items()}
+        return routing.summarize(logs, moe.top_k)
+
     # -- instructions ---------------------------------------------------------------------------------------
     def alloc(self, i: int, buffer: str) -> None:
         spec = self.program.buffer(buffer)
@@ -98,23 +115,34 @@ class Engine:
         self._submit("compute", i, f"alloc({buffer})", run)
 
     def load_params(self, i: int, unit: str, slot: int) -> None:
-        u, src = self.units[unit], self.store.units[unit].transfer
+        u, st = self.units[unit], self.store.units[unit]
 
         def run():
-            self.device.copy(self.bufs[f"slot{slot}"][: u.flat_numel], src)
+            self.device.copy(self.bufs[f"slot{slot}"][: u.flat_numel], st.transfer)
+            if u.buffers:
+                self.device.copy(slot_buffers(self.bufs[f"slot{slot}"], u, self.ir.dtype), st.buffers)
 
         self._submit("h2d", i, f"load_params({unit}, slot={slot})", run)
 
-    def forward(self, i: int, unit: str, slot: int, mb: int, keep_graph: bool = False) -> None:
+    def forward(self, i: int, unit: str, slot: int, mb: int, keep_graph: bool = False, rebuild: bool = False) -> None:
+        logs, scale = self.routing_logs, 1.0 / self.n_tokens
+
         def run():
             u = self.units[unit]
-            if keep_graph:
-                params, carry, out, nbytes = self._forward_with_graph(u, slot, mb)
-                self._put(f"saved.{unit}.{mb}", (params, carry, out), nbytes)
-            else:
-                with torch.no_grad():
-                    out = run_unit(self.templates[u.template], self._params(u, slot), self._carry(u, mb),
-                                   self._inputs(u, mb))
+            log = logs.setdefault(unit, {}).setdefault(mb, routing.RoutingLog())
+            with routing.step_context(log, scale):
+                if keep_graph:
+                    params, carry, out, nbytes = self._forward_with_graph(u, slot, mb)
+                    self._put(f"saved.{unit}.{mb}", (params, carry, out), nbytes)
+                elif rebuild:  # also keep the sub-layer inputs the backward rebuilds the carry-in from
+                    with torch.no_grad():
+                        out, side = run_unit(self.templates[u.template], self._params(u, slot), self._carry(u, mb),
+                                             self._inputs(u, mb), self._buffers(u, slot), record=True)
+                    self._put(f"side.{unit}.{mb}", side, _nbytes(side))
+                else:
+                    with torch.no_grad():
+                        out = run_unit(self.templates[u.template], self._params(u, slot), self._carry(u, mb),
+                                       self._inputs(u, mb), self._buffers(u, slot))
             if u.kind == "head":
                 self.losses[mb] = out[0].detach()
             else:
@@ -123,14 +151,25 @@ class Engine:
 
         self._submit("compute", i, f"forward({unit}, slot={slot}, mb={mb})", run)
 
-    def backward(self, i: int, unit: str, slot: int, grad_slot: int, mb: int, accumulate: bool = False) -> None:
+    def backward(self, i: int, unit: str, slot: int, grad_slot: int, mb: int, accumulate: bool = False,
+                 rebuild: bool = False) -> None:
+        scale = 1.0 / self.n_tokens
+
         def run():
             u = self.units[unit]
             saved = self.bufs.get(f"saved.{unit}.{mb}")  # the program frees it after this backward
+            side = self.bufs.get(f"side.{unit}.{mb}") if rebuild else None
+            if side is not None:  # the carry-in from the next unit's, then a recompute on the recorded inputs
+                with torch.no_grad():
+                    rebuilt = run_unit(self.templates[u.template], self._params(u, slot),
+                                       self.bufs[f"carry.{self.next_unit[unit]}.{mb}"], self._inputs(u, mb),
+                                       self._buffers(u, slot), rebuild=side)
+                self._put(f"carry.{unit}.{mb}", rebuilt, _nbytes(rebuilt))
             if saved is not None:
                 params, carry, out = saved
             else:
-                params, carry, out, _ = self._forward_with_graph(u, slot, mb)
+                with routing.step_context(None, scale):  # a recompute: route as the forward did, record nothing
+                    params, carry, out, _ = self._forward_with_graph(u, slot, mb, side)
             if u.kind == "head":
                 grad_out = (torch.full((), 1.0 / self.n_tokens, dtype=out[0].dtype, device=out[0].device),)
             else:
@@ -162,10 +201,13 @@ class Engine:
         self._submit("h2d", i, f"load_act({buffer})", run)
 
     def store_grads(self, i: int, unit: str, grad_slot: int) -> None:
-        u, dst = self.units[unit], self.store.units[unit].grad
+        u, dst, logs = self.units[unit], self.store.units[unit].grad, self.routing_logs
 
         def run():
             self.device.copy(dst, self.bufs[f"grad{grad_slot}"][: u.flat_numel])
+            if u.buffers:  # the statistics its buffers' update needs travel with the gradients
+                by_mb = logs.get(unit, {})
+                self.store.put_routing(unit, [by_mb[mb].to_host() for mb in sorted(by_mb)])
 
         self._submit("d2h", i, f"store_grads({unit}, grad_slot={grad_slot})", run)
 
@@ -245,6 +287,12 @@ class Engine:
     def _params(self, u: UnitIR, slot: int) -> dict[str, torch.Tensor]:
         return views(self.bufs[f"slot{slot}"], u.params)
 
+    def _buffers(self, u: UnitIR, slot: int) -> dict[str, torch.Tensor] | None:
+        """Views of the unit's buffers in its slot (None for a unit without)."""
+        if not u.buffers:
+            return None
+        return buffer_views(slot_buffers(self.bufs[f"slot{slot}"], u, self.ir.dtype), u.buffers)
+
     def _carry(self, u: UnitIR, mb: int) -> tuple[torch.Tensor, ...]:
         return () if not u.carry_in else self.bufs[f"carry.{u.name}.{mb}"]
 
@@ -253,13 +301,14 @@ class Engine:
         cos, sin = self.bufs["rope"]
         return StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=self.loss_chunk)
 
-    def _forward_with_graph(self, u: UnitIR, slot: int, mb: int):
+    def _forward_with_graph(self, u: UnitIR, slot: int, mb: int, side=None):
         """Forward with autograd from the unit's checkpoint; returns (params, carry, out, saved bytes)."""
         params = {n: v.detach().requires_grad_() for n, v in self._params(u, slot).items()}
+        buffers = self._buffers(u, slot)
         carry = tuple(c.detach().requires_grad_(c.is_floating_point()) for c in self._carry(u, mb))
         inputs = self._inputs(u, mb)
         # Saved bytes count what the graph adds: not the parameters, the carry, the batch or the RoPE tables.
-        resident = (inputs.tokens, inputs.targets, inputs.cos, inputs.sin)
+        resident = (inputs.tokens, inputs.targets, inputs.cos, inputs.sin, *(buffers or {}).values())
         known = {t.untyped_storage().data_ptr() for t in (*params.values(), *carry, *resident)}
         saved: dict[int, int] = {}
 
@@ -270,7 +319,8 @@ class Engine:
             return t
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = run_unit(self.templates[u.template], params, carry, inputs)
+            mode = {} if side is None else {"side": side}
+            out = run_unit(self.templates[u.template], params, carry, inputs, buffers, **mode)
         return params, carry, out, sum(saved.values())
 
     def _write_grads(self, u: UnitIR, grad_slot: int, grads, accumulate: bool) -> None:
@@ -293,9 +343,21 @@ def _nbytes(tensors) -> int:
 def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
     """Mean token loss of `batches` under the current weights: a forward-only pass, unit-major so each
     unit's weights cross the link once, through slot 0. Runs synchronously after the step's streams drain;
-    its carries are accounted in the device pool like the step's."""
+    its carries are accounted in the device pool like the step's. Units run in eval mode: MoE routing takes
+    its inference rule (ET: the pure threshold test)."""
     dev = engine.device
     dev.synchronize()
+    for template in engine.templates.values():
+        template.eval()
+    try:
+        return _evaluate(engine, batches)
+    finally:
+        for template in engine.templates.values():
+            template.train()
+
+
+def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    dev = engine.device
     slot = engine.bufs["slot0"]
     staged = [(x.to(dev.torch_device), y.to(dev.torch_device)) for x, y in batches]
     cos, sin = engine.bufs["rope"]
@@ -304,10 +366,12 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
     with torch.no_grad():
         for u in engine.ir.units:
             slot[: u.flat_numel].copy_(engine.store.units[u.name].transfer)
-            params = views(slot, u.params)
+            if u.buffers:
+                slot_buffers(slot, u, engine.ir.dtype).copy_(engine.store.units[u.name].buffers)
+            params, buffers = views(slot, u.params), engine._buffers(u, 0)
             for b, (tokens, targets) in enumerate(staged):
                 inputs = StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=engine.loss_chunk)
-                out = run_unit(engine.templates[u.template], params, carries[b], inputs)
+                out = run_unit(engine.templates[u.template], params, carries[b], inputs, buffers)
                 if carries[b]:
                     dev.pool.free(f"eval.{b}")
                 if u.kind == "head":

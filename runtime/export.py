@@ -12,6 +12,8 @@ Names (our unit-major names -> Hugging Face LlamaForCausalLM / Qwen2ForCausalLM)
   head.norm.weight          -> model.norm.weight
   head.lm_head.weight       -> lm_head.weight  (absent with tied embeddings: the head does not own it)
 Our RoPE is rotate-half, Hugging Face's convention, so q/k projections need no permutation.
+Mixture-of-experts models (models/moe.py) have no LLaMA names: `--names megatrain` exports them, their unit
+buffers (routing thresholds, biases) included under their own names, since inference needs them.
 """
 
 from __future__ import annotations
@@ -48,9 +50,15 @@ def export_weights(checkpoint: str | Path, out: str | Path, dtype: str = "fp32",
         raise ValueError(f"names {names!r}: use hf or megatrain")
     ckpt = find_checkpoint(checkpoint)
     manifest = read_manifest(ckpt)
-    rename = hf_name if names == "hf" else (lambda n: n)
-    specs = [(rename(p["name"]), DTYPES[dtype], tuple(p["shape"])) for u in manifest["units"] for p in u["params"]]
     model = manifest["model"] if isinstance(manifest["model"], dict) else {}
+    if names == "hf" and model.get("moe"):
+        raise ValueError(f"{ckpt}: a mixture-of-experts model has no Hugging Face LLaMA names; export with "
+                         "--names megatrain")
+    rename = hf_name if names == "hf" else (lambda n: n)
+    # buffers stay fp32: thresholds are compared with fp32 router logits
+    specs = [spec for u in manifest["units"] for spec in (
+        *((rename(p["name"]), DTYPES[dtype], tuple(p["shape"])) for p in u["params"]),
+        *((b["name"], torch.float32, tuple(b["shape"])) for b in u.get("buffers", ())))]
     metadata = {"format": "pt", "megatrain_model": str(model.get("name", "")),
                 "megatrain_step": str(manifest["step"])}
     out = Path(out)
@@ -59,8 +67,12 @@ def export_weights(checkpoint: str | Path, out: str | Path, dtype: str = "fp32",
         writer = SafetensorsWriter(tmp, specs, metadata)
         try:
             for unit in manifest["units"]:  # one unit's weights in memory at a time
-                for name, t in read_masters(ckpt, manifest, unit).items():
-                    writer.write(rename(name), t.to(DTYPES[dtype]))
+                buffers = {b["name"] for b in unit.get("buffers", ())}
+                for name, t in read_masters(ckpt, manifest, unit, buffers=True).items():
+                    if name in buffers:
+                        writer.write(name, t)
+                    else:
+                        writer.write(rename(name), t.to(DTYPES[dtype]))
         except BaseException:
             writer.abort()
             raise

@@ -3,6 +3,10 @@
 Where it sits: tests (exactness) and benchmarks (the eager-with-checkpointing baseline) call it. It uses
 `build_eager` and torch.optim.AdamW exactly as a PyTorch user would, with the same learning-rate schedule
 (`optim.lr_at`) and torch.nn.utils.clip_grad_norm_; nothing of the streaming runtime.
+
+MoE models: each block's forward runs in a routing step context (models/routing.py) with its own log per
+micro-batch; after optimizer.step() every block's routing buffers are updated from its logs, the update the
+host store applies after each unit's AdamW step. A checkpointed block's recompute records nothing.
 """
 
 from __future__ import annotations
@@ -10,22 +14,39 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatrain.models import ModelConfig, StepInputs, build_eager, rope_tables
+from megatrain.models import ModelConfig, StepInputs, build_eager, rope_tables, routing
 from megatrain.models.loss import IGNORE_INDEX
+from megatrain.models.moe import moe_layers, update_buffers
 from megatrain.planner.train import TrainSpec
 
 from .optim import lr_at
 
 
-def _loss_sum(model, tokens, targets, checkpoint_blocks: bool, loss_chunk: int) -> torch.Tensor:
+def _loss_sum(model, tokens, targets, checkpoint_blocks: bool, loss_chunk: int, logs: list[routing.RoutingLog],
+              loss_scale: float) -> torch.Tensor:
     """The model's own loss (its head's chunked cross-entropy), optionally with per-block activation
-    checkpointing, the usual memory-saving baseline."""
+    checkpointing, the usual memory-saving baseline. Block i records its routing statistics in logs[i]."""
     cos, sin = rope_tables(model.config, tokens.shape[1], model.embed.embed_tokens.weight.dtype)
     inputs = StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=loss_chunk)
     carry = model.embed((), inputs)
-    for block in model.blocks:
-        carry = checkpoint(block, carry, inputs, use_reentrant=False) if checkpoint_blocks else block(carry, inputs)
+    for block, log in zip(model.blocks, logs):
+        run = _routed(block, log, loss_scale)
+        carry = checkpoint(run, carry, inputs, use_reentrant=False) if checkpoint_blocks else run(carry, inputs)
     return model.head(carry, inputs)[0]
+
+
+def _routed(block, log: routing.RoutingLog, loss_scale: float):
+    """block(carry, inputs) in a routing step context that records in `log` on the first call only (a
+    checkpoint's recompute routes the same way and must not record again)."""
+    calls = 0
+
+    def run(carry, inputs):
+        nonlocal calls
+        calls += 1
+        with routing.step_context(log if calls == 1 else None, loss_scale):
+            return block(carry, inputs)
+
+    return run
 
 
 class EagerTrainer:
@@ -38,6 +59,7 @@ class EagerTrainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                      weight_decay=optim.weight_decay, fused=True)
         self.step_index = 0
+        self.routing_logs: list[list[routing.RoutingLog]] = []  # the last step's, per micro-batch and block
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         """One optimizer step over the micro-batches; returns the mean token loss."""
@@ -46,15 +68,28 @@ class EagerTrainer:
         n_tokens = sum(int((t != IGNORE_INDEX).sum()) for _, t in micro_batches)
         total = 0.0
         self.opt.zero_grad(set_to_none=True)
-        for tokens, targets in micro_batches:
-            loss = _loss_sum(self.model, tokens, targets, self.checkpoint_blocks, self.loss_chunk)
+        self.routing_logs = [[routing.RoutingLog() for _ in self.model.blocks] for _ in micro_batches]
+        for (tokens, targets), logs in zip(micro_batches, self.routing_logs):
+            loss = _loss_sum(self.model, tokens, targets, self.checkpoint_blocks, self.loss_chunk, logs,
+                             1.0 / n_tokens)
             (loss / n_tokens).backward()
             total += float(loss.detach())
         if self.optim.clip_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.clip_norm)
         self.opt.step()
+        for i, block in enumerate(self.model.blocks):
+            if moe_layers(block):
+                update_buffers(block, dict(block.named_buffers()), [logs[i].records for logs in self.routing_logs])
         self.step_index += 1
         return total / n_tokens
+
+    def routing_metrics(self) -> dict:
+        """The last step's routing metrics, as Engine.routing_metrics reports them."""
+        moe = self.model.config.moe
+        if moe is None:
+            return {}
+        logs = {f"blocks.{i}": [logs[i].records for logs in self.routing_logs] for i in range(len(self.model.blocks))}
+        return routing.summarize(logs, moe.top_k)
 
 
 def eager_train(config: ModelConfig, batches: list[list[tuple[torch.Tensor, torch.Tensor]]], optim: TrainSpec,

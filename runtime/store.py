@@ -15,6 +15,12 @@ losses decide for the whole step; without one, each unit checks its own gradient
 is recorded in `faults` (drained by the Trainer) and every unit still to step in it skips its update (with
 `stop_on_fault`, every later update too), so no NaN or inf ever reaches a master weight or a moment. Checkpoints (checkpoint.py) read and write the state
 through `state_tensors`, views of the store's own memory.
+
+Buffers (MoE routing state, models/routing.py): one flat fp32 host tensor per unit that has any, starting at
+0 like the eager model's, copied whole into the device slot by load_params. The engine's store_grads hands
+over the step's routing records (`put_routing`); `step_unit` updates the buffers from them right after the
+unit's AdamW update, once per optimizer step, as the eager reference does after optimizer.step(). A skipped
+(faulty) step drops them.
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import threading
 import torch
 
 from megatrain.ir.model_ir import ModelIR, ParamSlice, UnitIR
-from megatrain.models import ModelConfig, init_weights
+from megatrain.models import ModelConfig, init_weights, templates
+from megatrain.models.binding import buffer_views
+from megatrain.models.moe import update_buffers
 from megatrain.planner.train import TrainSpec
 
 from .optim import adamw_, clip_coefficient
@@ -51,6 +59,9 @@ class UnitState:
             self.transfer = empty_host((n,), compute_dtype)
             self.transfer.zero_()
         self.owned = [p for p in unit.params if p.name not in unit.tied]
+        self.buffers = empty_host((sum(b.numel for b in unit.buffers),), torch.float32)
+        self.buffers.zero_()  # every routing buffer starts at 0 (models/routing.py)
+        self.routing: list | None = None  # the step's routing records, per micro-batch, until the unit steps
 
     def views(self, flat: torch.Tensor, params: list[ParamSlice] | None = None) -> list[torch.Tensor]:
         return [flat[p.offset : p.offset + p.numel] for p in (params if params is not None else self.owned)]
@@ -68,6 +79,7 @@ class HostStore:
         self.compute_dtype = DTYPES[ir.dtype]
         empty_host = empty_host or (lambda shape, dtype: torch.empty(shape, dtype=dtype))
         self.units: dict[str, UnitState] = {u.name: UnitState(u, self.compute_dtype, empty_host) for u in ir.units}
+        self._templates = templates(self.config) if any(u.buffers for u in ir.units) else {}
         self._lock = threading.Lock()
         self._merged: set[str] = set()  # owners whose borrowers' tied gradients were added this step
         self.clip_coef: torch.Tensor | None = None
@@ -110,12 +122,19 @@ class HostStore:
                 out[f"{kind}/{unit}.{p.name}"] = v.view(p.shape)
         for p, count in zip(st.owned, st.steps):
             out[f"step/{unit}.{p.name}"] = count
+        for name, v in buffer_views(st.buffers, st.unit.buffers).items():
+            out[f"buffer/{unit}.{name}"] = v
         return out
 
     def refresh_all(self) -> None:
         """Refresh every transfer copy from the masters (after loading a checkpoint)."""
         for name in self.units:
             self.refresh_transfer(name)
+
+    def named_buffers(self) -> dict[str, torch.Tensor]:
+        """Eager-named views of every unit's buffers (as EagerModel.named_buffers() names them)."""
+        return {f"{st.unit.name}.{n}": v for st in self.units.values()
+                for n, v in buffer_views(st.buffers, st.unit.buffers).items()}
 
     def named_master(self) -> dict[str, torch.Tensor]:
         """Eager-named views of the fp32 masters (owned parameters only)."""
@@ -185,7 +204,8 @@ class HostStore:
                 self._fault(step, f"the gradients are not finite (global norm {self.last_grad_norm})")
 
     def step_unit(self, unit: str, lr: float, step: int = -1) -> None:
-        """AdamW on one unit's masters, then refresh its transfer copy (and borrowers' tied slices).
+        """AdamW on one unit's masters, its buffers' update (MoE routing), then refresh its transfer copy (and
+        borrowers' tied slices).
         With `check_finite`, skipped (no change at all) in a step found faulty."""
         self._merge_tied_grads(unit)
         st = self.units[unit]
@@ -195,6 +215,7 @@ class HostStore:
             if not all(math.isfinite(float(g.sum())) for g in st.views(st.grad)):
                 self._fault(step, f"the gradients of {unit} are not finite")
         if self.check_finite and (self._fault_step == step or (self.stop_on_fault and self._fault_step is not None)):
+            st.routing = None
             with self._lock:
                 self._merged.discard(unit)
             return
@@ -203,9 +224,17 @@ class HostStore:
             for g in grads:
                 g.mul_(self.clip_coef)
         adamw_(st.views(st.master), grads, st.views(st.exp_avg), st.views(st.exp_avg_sq), st.steps, self.optim, lr)
+        if st.unit.buffers:
+            update_buffers(self._templates[st.unit.template], buffer_views(st.buffers, st.unit.buffers),
+                           st.routing or [])
+            st.routing = None
         self.refresh_transfer(unit)
         with self._lock:
             self._merged.discard(unit)
+
+    def put_routing(self, unit: str, logs: list[list[dict[str, torch.Tensor]]]) -> None:
+        """The step's routing records of `unit` (one list per micro-batch), for its optimizer step."""
+        self.units[unit].routing = logs
 
     def _fault(self, step: int, what: str) -> None:
         with self._lock:
@@ -228,7 +257,7 @@ class HostStore:
     def host_bytes(self) -> int:
         seen, total = set(), 0
         for st in self.units.values():
-            for t in (st.master, st.grad, st.exp_avg, st.exp_avg_sq, st.transfer):
+            for t in (st.master, st.grad, st.exp_avg, st.exp_avg_sq, st.transfer, st.buffers):
                 key = t.untyped_storage().data_ptr()
                 if key not in seen:
                     seen.add(key)

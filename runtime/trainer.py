@@ -14,6 +14,11 @@ from that state; "skip" logs the step and goes on. A skip must be all or nothing
 "skip" the program is planned with the clip_grads barrier (the host optimizer starts once every gradient has
 landed, in forward order) even without clipping; see docs/CHECKPOINTS.md for the cost.
 
+Metrics: one JSON record per logged step (loss, lr, step time, tokens/s, device peaks, grad norm,
+validation loss); MoE models add the step's routing metrics (models/routing.py `summarize`): `moe_layers`
+(per MoE block: per-expert load fractions, experts per token, zero-expert share, capacity drop and pad
+rates, max/mean load, aux loss) and their averages over blocks as `moe_*`.
+
 Test hook: MEGATRAIN_TEST_PAUSE_AT=optimizer:K pauses the host optimizer after the first unit of step K
 (1-based) has stepped, and =checkpoint:K pauses the save of checkpoint K after its first file; either prints
 `megatrain-test: paused at ...` to stderr and sleeps, so tests/runtime/test_resume_kill.py can SIGKILL there.
@@ -286,12 +291,16 @@ class Trainer:
                         rec["val_loss"] = self.validation_loss()
                     if self.store.last_grad_norm is not None:
                         rec["grad_norm"] = self.store.last_grad_norm
+                    rec.update(self.engine.routing_metrics())
                     if self.step % log_every == 0 or "val_loss" in rec:
                         records.append(rec)
                         self._write_record(rec)
                     if self.checkpoint_every and (self.step % self.checkpoint_every == 0 or self.step == last):
                         self.save_checkpoint()
                     val = f" val {rec['val_loss']:.3f}" if rec.get("val_loss") is not None else ""
+                    if "moe_experts_per_token" in rec:
+                        val += (f"  experts/token {rec['moe_experts_per_token']:.2f} zero "
+                                f"{rec['moe_zero_expert_share']:.0%} max/mean load {rec['moe_load_max_over_mean']:.2f}")
                     bar.update(task, advance=1, info=f"loss {loss:.3f}{val}  {rec['tokens_per_s']:,.0f} tok/s  "
                                f"peak {rec['peak_device_bytes'] / 2**20:.1f}/{self.planned_peak_device_bytes / 2**20:.1f} MiB")
             self.device.synchronize()

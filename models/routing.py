@@ -1,0 +1,245 @@
+"""Routing for mixture-of-experts layers: which tokens go to which expert, the routing state, its statistics.
+
+Where it sits: models/moe.py's MoE feed-forward calls `select` in every forward; the runtime (engine, host
+store) and the eager reference (runtime/reference.py) set a `step_context` around each unit call, collect
+each training forward's `RoutingLog`, and after the optimizer step call `update_buffers` on the unit with the
+step's logs. Run its tests: `.venv/bin/pytest tests/models/test_moe.py`.
+
+Routers (reference: /work/shared/reference/expert_threshold_routing.md, "ET" below):
+- et (Expert Threshold): expert i takes token t when its raw router logit r_ti >= c_i, a per-expert threshold
+  that estimates the (1 - top_k/E) quantile of the logits. c_i is an EMA (momentum beta) of the per-batch
+  k-th largest logit, k = ceil(N * top_k / E) over the N tokens of the micro-batch, averaged over the step's
+  micro-batches and updated once per optimizer step, with Adam-style bias correction c_eff = c_raw / (1 -
+  beta^n) after n updates. For the first `warmup_steps` optimizer steps training routes by expert choice
+  while the EMA warms up. In training every expert takes between k_min = floor((1-C)k) and k_max =
+  floor((1+C)k) tokens: the lowest-scoring tokens above the threshold are dropped above k_max, the
+  highest-scoring tokens below it pad up to k_min. At inference (eval mode) the rule is the pure test
+  r >= c_eff: causal, one token at a time.
+- ec (Expert Choice): expert i takes the k tokens of the micro-batch with the largest r_ti, in training and
+  at inference. A non-causal reference: an earlier token's routing depends on later tokens.
+- tc (Token Choice): token t takes its top_k experts by r_t (+ a bias b with balance="bias"). Balancing:
+  "aux" (Switch: alpha * E * sum_i f_i P_i, f the dispatch fractions, P the mean softmax probabilities),
+  "bias" (DeepSeek loss-free: b_i += u * sign(mean load - load_i) once per step; b only selects) or none.
+
+State (unit buffers, fp32, all starting at 0): et: `threshold` (c_raw, E) and `updates` (n, a scalar: the
+optimizer steps so far, so it also drives the warmup switch); tc with bias balancing: `bias` (E). The
+forward reads them and never writes them; `update_buffers` changes them, once per optimizer step, from the
+statistics the step's first forwards recorded. A backward's recompute routes exactly like the first forward
+(the buffers have not changed) and records nothing: its step context has no log.
+
+Static shapes for tracing: on the meta device every expert takes ceil(N * top_k / E) tokens, so traced
+FLOPs are those of the expected active tokens; under `capacity_bound()` (the tracer's memory pass) an ET
+expert takes k_max, so traced saved bytes bound what a training step can keep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+BUFFERS = {"et": (("threshold", "experts"), ("updates", "scalar")), "bias": (("bias", "experts"),)}
+
+
+@dataclass
+class RoutingLog:
+    """What the MoE layers of one unit record in one training forward: one dict of statistics per layer, in
+    module order (`cutoff`: the k-th largest logit per expert; `counts`: tokens each expert took; `dropped`,
+    `padded`: capacity drops and pads; `zero`: tokens with no routed expert; `tokens`; `aux`: the aux loss)."""
+
+    records: list[dict[str, Tensor]] = field(default_factory=list)
+
+    def to_host(self) -> list[dict[str, Tensor]]:
+        return [{k: v.to("cpu") for k, v in r.items()} for r in self.records]
+
+
+@dataclass(frozen=True)
+class StepContext:
+    log: RoutingLog | None  # where a step's first forward records; None in a recompute, which must not
+    loss_scale: float  # d(step loss) / d(summed token loss): 1 / the step's target tokens
+
+
+_CONTEXT: ContextVar[StepContext | None] = ContextVar("megatrain_routing_context", default=None)
+_CAPACITY_BOUND: ContextVar[bool] = ContextVar("megatrain_routing_capacity_bound", default=False)
+
+
+@contextmanager
+def step_context(log: RoutingLog | None, loss_scale: float) -> Iterator[None]:
+    """Run a unit as part of a training step: MoE layers record into `log` (when given) and add their aux
+    loss's gradient scaled by `loss_scale`. Without a context a layer records nothing and adds no aux loss."""
+    token = _CONTEXT.set(StepContext(log, loss_scale))
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def current() -> StepContext | None:
+    return _CONTEXT.get()
+
+
+@contextmanager
+def capacity_bound() -> Iterator[None]:
+    """Trace with every ET expert at its training capacity k_max (the memory bound), not at k."""
+    token = _CAPACITY_BOUND.set(True)
+    try:
+        yield
+    finally:
+        _CAPACITY_BOUND.reset(token)
+
+
+# -- sizes ---------------------------------------------------------------------------------------------------
+def expected_rows(n_tokens: int, top_k: int, n_experts: int) -> int:
+    """k: the tokens an expert takes on average, ceil(N * top_k / E), at least 1 and at most N."""
+    return max(1, min(n_tokens, -(-n_tokens * top_k // n_experts)))
+
+
+def capacity(k: int, factor: float, n_tokens: int) -> tuple[int, int]:
+    """(k_min, k_max) = (floor((1-C)k), floor((1+C)k)), clamped to [0, k] and [k, N]."""
+    return max(0, math.floor((1 - factor) * k)), min(n_tokens, max(k, math.floor((1 + factor) * k)))
+
+
+# -- selection -----------------------------------------------------------------------------------------------
+@dataclass
+class Selection:
+    """The (token, expert) pairs a layer computes, grouped by expert: `counts[e]` pairs of expert e."""
+
+    token_idx: Tensor  # (R,) int64
+    expert_idx: Tensor  # (R,) int64
+    counts: list[int]
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+def select(moe, logits: Tensor, buffers: dict[str, Tensor], training: bool) -> Selection:
+    """Route the (N, E) fp32 logits of one micro-batch; no gradient flows through the choice."""
+    n, e = logits.shape
+    k = expected_rows(n, moe.top_k, e)
+    if logits.device.type == "meta":
+        rows = capacity(k, moe.capacity_factor, n)[1] if moe.router == "et" and _CAPACITY_BOUND.get() else k
+        return _static(logits, rows)
+    if moe.router == "ec":
+        return expert_choice(logits, k)
+    if moe.router == "tc":
+        bias = buffers.get("bias")
+        return token_choice(logits if bias is None else logits + bias, moe.top_k)
+    c_eff = corrected_threshold(buffers["threshold"], buffers["updates"], moe.momentum)
+    if not training:
+        return _from_mask(logits >= c_eff)
+    if int(buffers["updates"]) < moe.warmup_steps:
+        sel = expert_choice(logits, k)
+    else:
+        sel = threshold_with_capacity(logits, c_eff, k, *capacity(k, moe.capacity_factor, n))
+    sel.stats["cutoff"] = logits.topk(k, dim=0).values[k - 1]
+    return sel
+
+
+def corrected_threshold(c_raw: Tensor, updates: Tensor, momentum: float) -> Tensor:
+    """c_eff = c_raw / (1 - beta^n), the bias-corrected EMA; c_raw itself (0) before the first update."""
+    n = int(updates)
+    return c_raw / (1.0 - momentum**n) if n > 0 else c_raw
+
+
+def expert_choice(logits: Tensor, k: int) -> Selection:
+    """Each expert takes its k highest-scoring tokens of the pool."""
+    return _static(logits, k)
+
+
+def threshold_with_capacity(logits: Tensor, c_eff: Tensor, k: int, k_min: int, k_max: int) -> Selection:
+    """Tokens with r >= c_eff, at most k_max (the lowest dropped) and at least k_min (padded with the next
+    highest below the threshold) per expert."""
+    top = logits.topk(k_max, dim=0).indices.T  # (E, k_max), each row by descending logit
+    above = (logits >= c_eff).sum(0)
+    take = above.clamp(k_min, k_max)
+    token_idx = top[torch.arange(k_max, device=logits.device) < take[:, None]]
+    expert_idx = torch.arange(logits.shape[1], device=logits.device).repeat_interleave(take)
+    stats = {"dropped": (above - k_max).clamp(min=0).sum().float(),
+             "padded": (k_min - above).clamp(min=0).sum().float()}
+    return Selection(token_idx, expert_idx, take.tolist(), stats)
+
+
+def token_choice(scores: Tensor, top_k: int) -> Selection:
+    """Each token takes its top_k experts by `scores`."""
+    chosen = scores.topk(top_k, dim=1).indices
+    return _from_mask(torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen, True))
+
+
+def _from_mask(mask: Tensor) -> Selection:
+    expert_idx, token_idx = mask.T.nonzero(as_tuple=True)
+    return Selection(token_idx, expert_idx, mask.sum(0).tolist())
+
+
+def _static(logits: Tensor, rows: int) -> Selection:
+    e = logits.shape[1]
+    token_idx = logits.topk(rows, dim=0).indices.T.reshape(-1)
+    expert_idx = torch.arange(e, device=logits.device).repeat_interleave(rows)
+    return Selection(token_idx, expert_idx, [rows] * e)
+
+
+def record_stats(sel: Selection, n_tokens: int, n_experts: int) -> dict[str, Tensor]:
+    """The statistics of one layer's training forward (RoutingLog's per-layer dict)."""
+    counts = torch.bincount(sel.expert_idx, minlength=n_experts).float()
+    routed = torch.bincount(sel.token_idx, minlength=n_tokens)
+    zero = torch.zeros((), device=counts.device)
+    return {"counts": counts, "zero": (routed == 0).sum().float(), "dropped": sel.stats.get("dropped", zero),
+            "padded": sel.stats.get("padded", zero), "tokens": torch.full((), float(n_tokens), device=counts.device),
+            **{k: sel.stats[k] for k in ("cutoff",) if k in sel.stats}}
+
+
+# -- state ---------------------------------------------------------------------------------------------------
+def buffer_shapes(moe, n_experts: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The routing buffers of one layer, by local name (all fp32, all starting at 0)."""
+    kind = "et" if moe.router == "et" else "bias" if moe.balance == "bias" else None
+    return [(name, (n_experts,) if size == "experts" else ()) for name, size in BUFFERS.get(kind, ())]
+
+
+def update_layer(moe, buffers: dict[str, Tensor], records: list[dict[str, Tensor]]) -> None:
+    """One optimizer step's update of one layer's buffers from its micro-batches' records, in place."""
+    if not records or not buffers:
+        return
+    if moe.router == "et":
+        cutoff = torch.stack([r["cutoff"] for r in records]).mean(0)
+        buffers["threshold"].mul_(moe.momentum).add_(cutoff, alpha=1.0 - moe.momentum)
+        buffers["updates"].add_(1.0)
+    elif moe.balance == "bias":
+        load = torch.stack([r["counts"] for r in records]).sum(0)
+        buffers["bias"].add_(torch.sign(load.mean() - load), alpha=moe.bias_rate)
+
+
+# -- metrics -------------------------------------------------------------------------------------------------
+def summarize(logs: dict[str, list[list[dict[str, Tensor]]]], top_k: int) -> dict:
+    """Per-step routing metrics from each MoE unit's records (one list per micro-batch).
+
+    Per layer: `load` (fraction of tokens each expert took; the target is top_k/E), `experts_per_token`,
+    `zero_expert_share` (tokens with no routed expert), `drop_rate` and `pad_rate` (capacity drops and pads
+    per target assignment, N x top_k), `load_max_over_mean`, `aux_loss`; `moe_*` keys average over layers."""
+    layers = {unit: _layer_metrics([r for mb in per_mb for r in mb], top_k) for unit, per_mb in logs.items()}
+    layers = {unit: row for unit, row in layers.items() if row}
+    if not layers:
+        return {}
+    out: dict = {"moe_layers": layers}
+    for key in ("experts_per_token", "zero_expert_share", "drop_rate", "pad_rate", "load_max_over_mean", "aux_loss"):
+        vals = [row[key] for row in layers.values() if key in row]
+        if vals:
+            out[f"moe_{key}"] = sum(vals) / len(vals)
+    return out
+
+
+def _layer_metrics(recs: list[dict[str, Tensor]], top_k: int) -> dict:
+    if not recs:
+        return {}
+    tokens = sum(float(r["tokens"]) for r in recs)
+    counts = torch.stack([r["counts"].cpu() for r in recs]).sum(0)
+    total = float(counts.sum())
+    summed = {key: sum(float(r[key]) for r in recs) for key in ("zero", "dropped", "padded")}
+    row = {"load": [round(float(c) / tokens, 5) for c in counts], "experts_per_token": total / tokens,
+           "zero_expert_share": summed["zero"] / tokens, "drop_rate": summed["dropped"] / (tokens * top_k),
+           "pad_rate": summed["padded"] / (tokens * top_k),
+           "load_max_over_mean": float(counts.max()) / max(total / len(counts), 1e-9)}
+    if "aux" in recs[0]:
+        row["aux_loss"] = sum(float(r["aux"]) for r in recs) / len(recs)
+    return row

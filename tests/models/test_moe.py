@@ -1,0 +1,241 @@
+"""Mixture-of-experts layers and routing: configs, parameter counts, the ET mechanics, causality, aux loss.
+
+The ET mechanics (reference: /work/shared/reference/expert_threshold_routing.md): the bias-corrected EMA of
+the per-step mean cutoff, the capacity bounds (drop above k_max, pad below k_min, training only), the
+expert-choice warmup switch, and the pure threshold test at inference, which is causal where expert choice
+is not. Streamed-equals-eager for MoE models is in tests/runtime/test_moe_exactness.py.
+"""
+
+import json
+
+import pytest
+import torch
+
+from megatrain.ir.trace import trace
+from megatrain.models import (
+    ConfigError,
+    ModelConfig,
+    StepInputs,
+    build_eager,
+    load_model_config,
+    preset,
+    rope_tables,
+    routing,
+    templates,
+)
+from megatrain.models.moe import MoEConfig, MoEFFN, active_params
+from megatrain.models.transformer import EagerModel
+
+MOE_TINY = preset("moe-tiny")
+
+
+def with_moe(config: ModelConfig = MOE_TINY, **moe) -> ModelConfig:
+    return ModelConfig(**{**config.model_dump(), "moe": {**config.moe.model_dump(), **moe}})
+
+
+# -- configs and sizes ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("moe, field, fix", [
+    ({"n_experts": 0}, "moe.n_experts", ">= 1"),
+    ({"n_experts": 2, "top_k": 3}, "top_k=3 exceeds n_experts=2", "lower top_k or add experts"),
+    ({"capacity_factor": -0.5}, "moe.capacity_factor", "must be >= 0"),
+    ({"router": "topk"}, "moe.router", "pick one of them"),
+    ({"gate": "relu"}, "moe.gate", "not one of sigmoid, softmax"),
+    ({"expert_mlp": "gelu"}, "moe.expert_mlp", "not one of relu2, swiglu"),
+    ({"balance": "aux"}, "balance='aux' applies to router 'tc' only", "set balance to 'none'"),
+    ({"momentum": 1.0}, "moe.momentum", "[0, 1)"),
+    ({"bogus": 1}, "moe.bogus", "valid fields: router, n_experts"),
+])
+def test_bad_moe_config_is_one_line_naming_field_and_fix(tmp_path, moe, field, fix):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"base": "tiny", "moe": moe}))
+    with pytest.raises(ConfigError) as e:
+        load_model_config(str(path))
+    msg = str(e.value)
+    assert "\n" not in msg and field in msg and fix in msg, msg
+
+
+def test_dense_first_needs_a_second_layer():
+    with pytest.raises(ValueError, match="moe.dense_first leaves no MoE block"):
+        ModelConfig(**{**MOE_TINY.model_dump(), "n_layers": 1})
+
+
+def test_n_params_equals_the_traced_count():
+    config = with_moe(router="tc", balance="bias", top_k=2, expert_dim=96, expert_mlp="swiglu", shared_expert=False,
+                      dense_first=False)
+    assert trace(config, 2, 32, "fp32", target="cpu").params_total == config.n_params()  # and moe-tiny below
+
+
+@pytest.mark.parametrize("name, total, active", [("et-d12", 565_602_048, 176_318_208),
+                                                 ("et-d20", 2_429_374_720, 561_598_720)])
+def test_paper_presets(name, total, active):
+    config = preset(name)
+    with torch.device("meta"):
+        counted = sum(p.numel() for p in EagerModel(config).parameters())
+    assert config.n_params() == counted == total
+    assert active_params(config) == active  # the paper: 575M / 195M (d12), 2.43B / 561M (d20)
+
+
+def test_the_planner_plans_et_d20_like_a_dense_model():
+    from megatrain.planner import TrainSpec, hardware_preset, plan
+
+    ir = trace("et-d20", 1, 1024, "bf16")
+    assert ir.params_total == preset("et-d20").n_params()
+    p = plan(ir, hardware_preset("h200"), TrainSpec(micro_batch=1, seq_len=1024, grad_accum=4), 24 * 2**30)
+    moe_unit = ir.unit("blocks.1")
+    assert p.slot_bytes >= moe_unit.slot_bytes("bfloat16") > moe_unit.param_bytes("bfloat16")  # + its buffers
+    assert p.peak_gpu_bytes <= 24 * 2**30 and p.tokens_per_s > 0
+
+
+def test_templates_dense_first_block_and_buffers():
+    tmpls = templates(MOE_TINY)
+    assert set(tmpls) == {"embed", "block.dense", "block", "head"}
+    assert isinstance(tmpls["block"].mlp, MoEFFN) and not isinstance(tmpls["block.dense"].mlp, MoEFFN)
+    assert {n: tuple(b.shape) for n, b in tmpls["block"].named_buffers()} == {"mlp.threshold": (8,), "mlp.updates": ()}
+    eager = build_eager(MOE_TINY, dtype=torch.bfloat16)
+    assert all(b.dtype == torch.float32 and not b.any() for b in eager.buffers())  # fp32 zeros whatever the dtype
+
+
+def test_trace_counts_expected_active_tokens_and_bounds_memory_at_capacity():
+    n, d, w, e = 2 * 64, 128, 128, 8
+    ir = trace(MOE_TINY, 2, 64, "fp32", target="cpu")
+    assert ir.params_total == MOE_TINY.n_params()
+    dense, moe = ir.unit("blocks.0"), ir.unit("blocks.1")
+    k = routing.expected_rows(n, 1, e)  # 16 tokens per expert
+    attn = dense.flops_fwd - 2 * n * 3 * d * MOE_TINY.ffn_dim
+    assert moe.flops_fwd == attn + 2 * n * d * e + 2 * n * 2 * d * w + 2 * e * k * 2 * d * w
+    assert [b.name for b in moe.buffers] == ["mlp.threshold", "mlp.updates"]
+    ec = trace(with_moe(router="ec"), 2, 64, "fp32", target="cpu").unit("blocks.1")
+    assert ec.flops_fwd == moe.flops_fwd and ec.saved_bytes < moe.saved_bytes  # ET memory at k_max = 1.5 k
+
+
+# -- ET mechanics ---------------------------------------------------------------------------------------------
+def test_bias_corrected_ema_of_the_mean_cutoff():
+    moe = MoEConfig(momentum=0.9)
+    bufs = {"threshold": torch.zeros(3), "updates": torch.zeros(())}
+    a, b = torch.tensor([1.0, 2.0, -3.0]), torch.tensor([3.0, 0.0, -1.0])
+    assert torch.equal(routing.corrected_threshold(bufs["threshold"], bufs["updates"], 0.9), torch.zeros(3))
+    routing.update_layer(moe, bufs, [{"cutoff": a}, {"cutoff": b}])  # one step, two micro-batches: their mean
+    assert float(bufs["updates"]) == 1
+    torch.testing.assert_close(bufs["threshold"], 0.1 * (a + b) / 2)
+    torch.testing.assert_close(routing.corrected_threshold(bufs["threshold"], bufs["updates"], 0.9), (a + b) / 2)
+    c = torch.tensor([5.0, 5.0, 5.0])
+    for n in range(2, 6):
+        routing.update_layer(moe, bufs, [{"cutoff": c}])
+        raw = 0.9**n * 0.1 * (a + b) / 2 / 0.9 + (1 - 0.9 ** (n - 1)) * c
+        torch.testing.assert_close(bufs["threshold"], raw)
+        torch.testing.assert_close(routing.corrected_threshold(bufs["threshold"], bufs["updates"], 0.9),
+                                   raw / (1 - 0.9**n))
+    assert float(bufs["updates"]) == 5
+
+
+def test_capacity_bounds_drop_above_and_pad_below():
+    assert routing.capacity(4, 0.5, 16) == (2, 6)
+    assert routing.capacity(5, 0.5, 16) == (2, 7)
+    assert routing.capacity(8, 0.5, 10) == (4, 10)
+    assert routing.capacity(8, 0.0, 100) == (8, 8) and routing.capacity(8, 2.0, 100) == (0, 24)
+    scores = torch.linspace(-1.5, 1.5, 16)
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))
+    logits = torch.stack([scores[perm] + 1.0, scores - 1.4, scores[perm.flip(0)]], dim=1)  # 16 tokens, 3 experts
+    above = (logits >= 0).sum(0).tolist()
+    assert above == [13, 1, 8]
+    sel = routing.threshold_with_capacity(logits, torch.zeros(3), 4, 2, 6)
+    assert sel.counts == [6, 2, 6]  # 13 above -> the top 6 kept; 1 above -> padded to 2; 8 above -> capped at 6
+    for e, count in enumerate(sel.counts):
+        got = sel.token_idx[sel.expert_idx == e]
+        assert torch.equal(got, logits[:, e].topk(count).indices), e  # always the highest-scoring tokens
+    assert float(sel.stats["dropped"]) == (13 - 6) + (8 - 6) and float(sel.stats["padded"]) == 2 - 1
+    within = routing.threshold_with_capacity(logits, torch.zeros(3), 8, 0, 16)
+    assert within.counts == above  # inside the bounds: exactly the tokens above the threshold
+
+
+def test_warmup_switch_and_the_inference_rule():
+    moe = MoEConfig(n_experts=4, warmup_steps=3, capacity_factor=0.5)
+    logits = torch.randn(32, 4, generator=torch.Generator().manual_seed(1))
+    high = {"threshold": torch.full((4,), 9.0), "updates": torch.tensor(2.0)}  # no token reaches it
+    k = routing.expected_rows(32, 1, 4)
+    sel = routing.select(moe, logits, high, training=True)
+    assert sel.counts == [k] * 4  # step 2 < 3 warmup steps: expert choice, thresholds ignored
+    assert torch.equal(sel.stats["cutoff"], logits.topk(k, dim=0).values[k - 1])  # the EMA still learns
+    assert routing.select(moe, logits, {**high, "updates": torch.tensor(3.0)}, training=True).counts == [k // 2] * 4
+    assert routing.select(moe, logits, high, training=False).counts == [0] * 4  # inference: r >= c_eff only
+    low = {"threshold": torch.full((4,), -9.0), "updates": torch.tensor(3.0)}
+    assert routing.select(moe, logits, low, training=True).counts == [int(1.5 * k)] * 4
+    assert routing.select(moe, logits, low, training=False).counts == [32] * 4  # no capacity at inference
+
+
+# -- causality at inference -----------------------------------------------------------------------------------
+def _routing_and_hidden(model, tokens, monkeypatch):
+    """Per MoE layer the (tokens, experts) assignment mask, and the final hidden states, in eval mode."""
+    masks = []
+    select = routing.select
+
+    def spy(moe, logits, buffers, training):
+        sel = select(moe, logits, buffers, training)
+        mask = torch.zeros(logits.shape, dtype=torch.bool)
+        mask[sel.token_idx, sel.expert_idx] = True
+        masks.append(mask.view(*tokens.shape, -1))
+        return sel
+
+    monkeypatch.setattr(routing, "select", spy)
+    cos, sin = rope_tables(model.config, tokens.shape[1], torch.float32)
+    inputs = StepInputs(tokens=tokens, cos=cos, sin=sin)
+    with torch.no_grad():
+        carry = model.embed((), inputs)
+        for block in model.blocks:
+            carry = block(carry, inputs)
+        hidden = model.head.final(carry)
+    monkeypatch.setattr(routing, "select", select)
+    return masks, hidden
+
+
+@pytest.mark.parametrize("router", ["et", "ec"])
+def test_inference_routing_is_causal_for_et_not_for_expert_choice(router, monkeypatch):
+    config = with_moe(router=router)
+    model = build_eager(config, seed=1).eval()
+    for name, buf in model.named_buffers():  # ET state after 3 updates, c_eff = 1 (about 1/8 of logits above)
+        buf.fill_(3.0 if name.endswith("updates") else 1 - config.moe.momentum**3)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 48), generator=g)
+    t = 23
+    changed = tokens.clone()
+    changed[:, t + 1 :] = torch.randint(0, 256, (2, 48 - t - 1), generator=g)
+    masks_a, hidden_a = _routing_and_hidden(model, tokens, monkeypatch)
+    masks_b, hidden_b = _routing_and_hidden(model, changed, monkeypatch)
+    same_routing = all(torch.equal(a[:, : t + 1], b[:, : t + 1]) for a, b in zip(masks_a, masks_b))
+    # NOTE: outputs agree to fp32 round-off, not bit for bit: an expert's GEMM blocks by how many tokens it takes
+    drift = float((hidden_a[:, : t + 1] - hidden_b[:, : t + 1]).abs().max())
+    if router == "et":
+        assert same_routing and drift < 1e-6
+        assert 0 < sum(int(m.sum()) for m in masks_a) < sum(m.numel() for m in masks_a)  # routing is not trivial
+    else:  # expert choice ranks the whole micro-batch: later tokens move earlier tokens in and out of experts
+        assert not same_routing and drift > 1e-3
+
+
+# -- aux loss -----------------------------------------------------------------------------------------------
+def test_aux_loss_enters_the_gradient_scaled_like_the_loss():
+    config = with_moe(router="tc", balance="aux", aux_loss_coef=0.5, gate="softmax", top_k=2)
+    layer = build_eager(config, seed=2).blocks[1].mlp
+    x = torch.randn(2, 16, config.d_model, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(2, 16, config.d_model, generator=torch.Generator().manual_seed(4))
+    scale = 1 / 29
+
+    def router_grad(context: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        layer.zero_grad()
+        log = routing.RoutingLog()
+        if context:
+            with routing.step_context(log, scale):
+                out = layer(x)
+        else:
+            out = layer(x)
+        ((out * w).sum() * scale).backward()
+        return layer.router.weight.grad.clone(), out.detach()
+
+    plain, out_plain = router_grad(False)
+    with_aux, out_aux = router_grad(True)
+    assert torch.equal(out_plain, out_aux)  # forward values untouched
+    logits = x.reshape(-1, config.d_model) @ layer.router.weight.T
+    chosen = logits.topk(2, dim=1).indices
+    f = torch.zeros(8).index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel())) / (32 * 2)
+    aux = 0.5 * 8 * (f * torch.softmax(logits, -1).mean(0)).sum()
+    (expected,) = torch.autograd.grad(aux * 32 * scale, layer.router.weight)
+    torch.testing.assert_close(with_aux - plain, expected)
