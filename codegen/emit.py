@@ -70,6 +70,8 @@ def statement(i: int, ins: Instr, cross_step: bool) -> str:
             args.append("keep_graph=True")
         if ins.accumulate:
             args.append("accumulate=True")
+        if ins.rebuild:
+            args.append("rebuild=True")
     return f"rt.{ins.op}({', '.join(args)})"
 
 

@@ -44,13 +44,18 @@ def render(renderable, width: int = 120) -> str:
 def model_ir_table(ir: ModelIR, collapse: bool = True) -> Table:
     """Per-unit table; runs of identical blocks collapse into one row (`blocks.0-79 x80`)."""
     tokens = ir.tokens
+    mixing = ir.config.get("depth_mixing", "residual")
+    rebuild = any(u.rebuild_bytes is not None for u in ir.units)
     t = Table(title=f"{ir.model}: {fmt_count(ir.params_total)} params, micro-batch {ir.micro_batch} x "
-                    f"{ir.seq_len} tokens, {ir.dtype}", title_justify="left")
-    for col in ("unit", "params", "FLOPs/token fwd", "FLOPs/token bwd", "saved", "carry out", "peak bwd"):
+                    f"{ir.seq_len} tokens, {ir.dtype}" + ("" if mixing == "residual" else f", depth mixing {mixing}"),
+              title_justify="left")
+    cols = ("unit", "params", "FLOPs/token fwd", "FLOPs/token bwd", "saved", "carry in", "carry out", "peak bwd")
+    for col in (*cols, *(("rebuild ckpt",) if rebuild else ())):
         t.add_column(col, justify="left" if col == "unit" else "right")
     rows: list[list] = []
     for u in ir.units:
-        key = (u.template, u.n_params, u.flops_fwd, u.flops_bwd, u.saved_bytes, u.carry_out_bytes, u.peak_bwd_bytes)
+        key = (u.template, u.n_params, u.flops_fwd, u.flops_bwd, u.saved_bytes, u.carry_in_bytes, u.carry_out_bytes,
+               u.peak_bwd_bytes, u.rebuild_bytes)
         if collapse and rows and rows[-1][0] == key:
             rows[-1][2] = u.name
             rows[-1][3] += 1
@@ -59,12 +64,14 @@ def model_ir_table(ir: ModelIR, collapse: bool = True) -> Table:
     for _key, first, last, count, u in rows:
         label = first if count == 1 else f"{first}-{last.split('.')[-1]} x{count}"
         t.add_row(label, fmt_count(u.n_params), fmt_count(u.flops_fwd / tokens), fmt_count(u.flops_bwd / tokens),
-                  format_bytes(u.saved_bytes), format_bytes(u.carry_out_bytes), format_bytes(u.peak_bwd_bytes))
+                  format_bytes(u.saved_bytes), format_bytes(u.carry_in_bytes), format_bytes(u.carry_out_bytes),
+                  format_bytes(u.peak_bwd_bytes),
+                  *((format_bytes(u.rebuild_bytes) if u.rebuild_bytes is not None else "-",) if rebuild else ()))
     fwd = sum(u.flops_fwd for u in ir.units)
     bwd = sum(u.flops_bwd for u in ir.units)
     t.add_section()
     t.add_row("total", fmt_count(ir.params_total), fmt_count(fwd / tokens), fmt_count(bwd / tokens),
-              format_bytes(sum(u.saved_bytes for u in ir.units)), "", "")
+              format_bytes(sum(u.saved_bytes for u in ir.units)), "", "", "", *(("",) if rebuild else ()))
     return t
 
 

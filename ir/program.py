@@ -79,6 +79,10 @@ class Instr(IRModel):
         False, description="forward: keep the autograd graph (saved activations) so backward skips recompute"
     )
     accumulate: bool = Field(False, description="backward: add into the gradient slot instead of overwriting")
+    rebuild: bool = Field(
+        False, description="forward: record what rebuilding the carry-in needs (the `side` buffer); backward: "
+        "rebuild the carry-in from the next unit's carry-in first"
+    )
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     workspace_bytes: int = Field(0, ge=0, description="transient device bytes while this op runs")
@@ -110,6 +114,8 @@ class Instr(IRModel):
             args.append("keep_graph=True")
         if self.accumulate:
             args.append("accumulate=True")
+        if self.rebuild:
+            args.append("rebuild=True")
         return f"[{self.stream:>7}] {self.op}({', '.join(args)})"
 
 

@@ -16,6 +16,7 @@ _EXPORTS = {
     "load_model_config": "megatrain.models",
     "plan": "megatrain.planner",
     "tune": "megatrain.planner",
+    "choose_rank": "megatrain.planner.depth_rank",
     "Hardware": "megatrain.planner",
     "TrainSpec": "megatrain.planner",
     "InfeasiblePlanError": "megatrain.planner",

@@ -44,6 +44,8 @@ def _add_inspect(sub) -> None:
     p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch")
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--depth-mixing", metavar="SPEC", help="override the model's depth mixing: residual, "
+                   "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
     p.set_defaults(func=_cmd_inspect)
 
 
@@ -53,6 +55,10 @@ def _cmd_inspect(args) -> int:
     from megatrain.models import load_model_config
 
     config = load_model_config(args.model)
+    if args.depth_mixing:
+        from megatrain.planner.depth_rank import with_depth
+
+        config = with_depth(config, args.depth_mixing)
     seq = args.seq_len or min(2048, config.max_seq_len)
     ir = trace(config, args.micro_batch, seq, args.dtype)
     if args.json:
@@ -65,12 +71,13 @@ def _cmd_inspect(args) -> int:
 def inspect_json(ir) -> dict:
     return {
         "model": ir.model, "params_total": ir.params_total, "micro_batch": ir.micro_batch,
-        "seq_len": ir.seq_len, "dtype": ir.dtype,
+        "seq_len": ir.seq_len, "dtype": ir.dtype, "depth_mixing": ir.config.get("depth_mixing", "residual"),
         "flops_fwd": sum(u.flops_fwd for u in ir.units), "flops_bwd": sum(u.flops_bwd for u in ir.units),
         "units": [
             {"name": u.name, "params": u.n_params, "param_bytes": u.param_bytes(ir.dtype),
              "flops_fwd": u.flops_fwd, "flops_bwd": u.flops_bwd, "saved_bytes": u.saved_bytes,
              "carry_in_bytes": u.carry_in_bytes, "carry_out_bytes": u.carry_out_bytes,
+             "rebuild_bytes": u.rebuild_bytes,
              "peak_fwd_bytes": u.peak_fwd_bytes, "peak_bwd_bytes": u.peak_bwd_bytes}
             for u in ir.units
         ],

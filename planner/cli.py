@@ -31,6 +31,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--program", action="store_true", help="print the step program, one instruction a line")
     p.add_argument("--trace", metavar="FILE", help="write the predicted timeline as a Chrome/Perfetto trace")
     p.add_argument("--save", metavar="FILE", help="write the whole Plan as JSON (Plan.from_json reads it)")
+    p.add_argument("--depth-rank", metavar="auto|N", help="train with DepthSSD of rank N; auto: the largest N in "
+                   "1,2,4,8,16 that fits the budget within --rank-tolerance of N=1's step time")
+    p.add_argument("--rank-tolerance", type=float, default=0.05, metavar="F",
+                   help="with --depth-rank auto: the step-time slowdown over N=1 allowed (default 0.05 = 5%%)")
     p.set_defaults(func=run_plan)
 
     t = subparsers.add_parser("tune", help="plan a grid of GPU budgets x micro-batch sizes; mark the Pareto front",
@@ -40,6 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--gpu-mem", metavar="LIST", required=True, help="comma-separated budgets, e.g. 24GiB,40GiB,80GiB")
     t.add_argument("--micro-batch", metavar="LIST", default="1", help="comma-separated micro-batch sizes (default 1)")
     t.add_argument("--json", action="store_true", help="print one JSON object with every row")
+    t.add_argument("--depth-rank", metavar="LIST|auto", help="also sweep DepthSSD's rank N, e.g. 1,4,16 "
+                   "(auto: 1,2,4,8,16); the Pareto front is marked per N")
     t.set_defaults(func=run_tune)
 
     r = subparsers.add_parser("probe", help="measure this machine and write a hardware profile",
@@ -62,6 +68,36 @@ def _common(p: argparse.ArgumentParser, default_hardware: str = "h100-sxm") -> N
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32 (default bf16)")
     p.add_argument("--clip-norm", type=float, default=None, help="global gradient-norm clip (default: off)")
     p.add_argument("--host-mem", metavar="BYTES", help="host memory available, overriding the profile's")
+    p.add_argument("--depth-mixing", metavar="SPEC", help="override the model's depth mixing: residual, "
+                   "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
+
+
+def _model(args: argparse.Namespace):
+    """The model config, with --depth-mixing applied."""
+    from megatrain.models import load_model_config
+
+    from .depth_rank import with_depth
+
+    config = load_model_config(args.model)
+    spec = getattr(args, "depth_mixing", None)
+    return with_depth(config, spec) if spec else config
+
+
+def _ranks(text: str | None) -> list[int] | None:
+    """--depth-rank for tune: None, 'auto' (1,2,4,8,16) or a comma-separated list."""
+    from megatrain.models.depth.spec import RANKS, parse_depth
+
+    if text is None:
+        return None
+    if text.strip() == "auto":
+        return list(RANKS)
+    try:
+        ranks = [int(x) for x in _split(text, "--depth-rank")]
+    except ValueError:
+        raise ValueError(f"--depth-rank {text!r} must be auto or comma-separated integers, e.g. 1,4,16") from None
+    for n in ranks:
+        parse_depth(f"depthssd:{n}")
+    return ranks
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
@@ -106,9 +142,19 @@ def run_plan(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     train = _train(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
-    ir = _load_ir(args.model, train, hw)
+    config, rank_lines, rank_rows = _model(args), (), None
     try:
-        result = plan(ir, hw, train, budget)
+        if args.depth_rank is None:
+            result = plan(_load_ir(config, train, hw), hw, train, budget)
+        elif args.depth_rank.strip() == "auto":
+            from .depth_rank import choose_rank
+
+            choice = choose_rank(config, hw, train, budget, lambda c, t: _load_ir(c, t, hw), args.rank_tolerance)
+            result, rank_lines, rank_rows = choice.plan, choice.lines, list(choice.rows)
+        else:
+            from .depth_rank import rank_config
+
+            result = plan(_load_ir(rank_config(config, _ranks(args.depth_rank)[0]), train, hw), hw, train, budget)
     except InfeasiblePlanError as e:
         if not args.json:
             raise
@@ -122,8 +168,13 @@ def run_plan(args: argparse.Namespace) -> int:
 
         _write(args.trace, None, "--trace", lambda path: write_trace(result, path))
     if args.json:
-        print(json.dumps(result.summary()))
+        summary = result.summary()
+        if rank_rows is not None:
+            summary["depth_rank"] = {"chosen": int(result.ir.config["depth_mixing"].split(":")[1]),
+                                     "tolerance": args.rank_tolerance, "ranks": rank_rows}
+        print(json.dumps(summary))
     else:
+        print("".join(line + "\n" for line in rank_lines), end="")
         print(format_plan(result, explain=args.explain, program=args.program), end="")
         for path, what in ((args.trace, "trace"), (args.save, "plan")):
             if path:
@@ -152,7 +203,7 @@ def run_tune(args: argparse.Namespace) -> int:
     def trace_fn(model, mb, spec):
         return _load_ir(model, spec, hw)
 
-    result = tune(args.model, hw, train, budgets, mbs, trace_fn=trace_fn)
+    result = tune(_model(args), hw, train, budgets, mbs, trace_fn=trace_fn, depth_ranks=_ranks(args.depth_rank))
     if args.json:
         print(json.dumps({"rows": result.summary()}))
         return 0
@@ -163,16 +214,19 @@ def run_tune(args: argparse.Namespace) -> int:
 
     table = Table(box=box.SIMPLE_HEAD, title=f"tune {args.model} on {hw.name}, seq {args.seq_len}, "
                   f"{args.grad_accum} micro-batch(es)/step (* = Pareto front)")
-    for col in ("", "micro-batch", "budget", "peak GPU", "host", "step s", "tokens/s", "MFU", "bottleneck"):
+    ranked = any(r.depth_rank is not None for r in result.rows)
+    for col in ("", *(("N",) if ranked else ()), "micro-batch", "budget", "peak GPU", "host", "step s", "tokens/s", "MFU", "bottleneck"):
         table.add_column(col, justify="left" if col in ("", "bottleneck") else "right")
     for r in result.rows:
         if r.plan:
             p = r.plan
-            table.add_row("*" if r.pareto else "", str(r.micro_batch), format_bytes(r.gpu_budget_bytes),
+            table.add_row("*" if r.pareto else "", *((str(r.depth_rank),) if ranked else ()), str(r.micro_batch),
+                          format_bytes(r.gpu_budget_bytes),
                           format_bytes(p.peak_gpu_bytes), format_bytes(p.host_bytes), f"{p.step_time_s:.4g}",
                           f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.bottleneck} {p.bottleneck_share:.0%}")
         else:
-            table.add_row("", str(r.micro_batch), format_bytes(r.gpu_budget_bytes), "infeasible", "", "", "", "",
+            table.add_row("", *((str(r.depth_rank),) if ranked else ()), str(r.micro_batch),
+                          format_bytes(r.gpu_budget_bytes), "infeasible", "", "", "", "",
                           f"needs {format_bytes(r.needed_bytes or 0)}")
     print(render(table, width=130), end="")
     return 0

@@ -5,7 +5,8 @@ model both price ops here, so they agree on every figure. Try it:
 `python -c "from megatrain.planner.costs import ADAMW_BYTES; print(ADAMW_BYTES)"`.
 
 - forward: flops_fwd / achievable matmul FLOP/s + fx graph nodes x dispatch overhead;
-- backward: (flops_bwd + flops_fwd unless the unit kept its graph) / FLOP/s + 2 x nodes x overhead;
+- backward: (flops_bwd + flops_fwd unless the unit kept its graph, + flops_fwd again when it rebuilds its
+  carry-in) / FLOP/s + 2 x nodes x overhead;
 - load_params / load_act: bytes / h2d bandwidth + copy latency; store_grads (fp32) / offload_act: on d2h;
 - optimizer_step: parameters x bytes AdamW touches / host memory bandwidth. Per fp32-master parameter it
   reads master, grad, m, v (4+4+8) and writes master, m, v (4+8) plus the compute-dtype transfer copy
@@ -45,9 +46,10 @@ class CostModel:
         self.opt = [u.n_params * per_param / hw.host_memory_bytes_per_s for u in ir.units]
         self.clip = len(ir.units) * 1e-6
 
-    def backward(self, i: int, keep: bool) -> float:
-        """Backward of unit i for one micro-batch, with the recompute of its forward unless `keep`."""
-        return self.bwd[i] + (0.0 if keep else self.fwd[i])
+    def backward(self, i: int, keep: bool, rebuild: bool = False) -> float:
+        """Backward of unit i for one micro-batch, with the recompute of its forward unless `keep`, and one
+        more forward's worth to rebuild its carry-in when `rebuild` (its sub-layers run again)."""
+        return self.bwd[i] + (0.0 if keep else self.fwd[i]) + (self.fwd[i] if rebuild else 0.0)
 
     def op_seconds(self, ins, sizes: dict[str, int] | None = None) -> float:
         """Seconds of one instruction (Instr or planner Op) on its stream."""
@@ -56,7 +58,7 @@ class CostModel:
             return self.fwd[self.index[ins.unit]]
         if op == "backward":
             keep = any(r.startswith("saved.") for r in ins.reads)
-            return self.backward(self.index[ins.unit], keep)
+            return self.backward(self.index[ins.unit], keep, ins.rebuild)
         if op == "load_params":
             return self.load[self.index[ins.unit]]
         if op == "store_grads":

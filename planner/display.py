@@ -37,7 +37,8 @@ def _ms(seconds: float) -> str:
 
 def summary_lines(p: Plan) -> list[str]:
     t, hw = p.train, p.hardware
-    counts = {k: sum(1 for u in p.units if u.placement == k and u.checkpoint_bytes) for k in ("device", "host", "keep")}
+    counts = {k: sum(1 for u in p.units if u.placement == k and u.checkpoint_bytes)
+              for k in ("device", "host", "keep", "rebuild")}
     params = p.ir.params_total
     state = p.host_bytes - p.host_breakdown.get("checkpoints", 0)
     return [
@@ -52,7 +53,8 @@ def summary_lines(p: Plan) -> list[str]:
         f"MFU {p.mfu:.1%}; bottleneck {p.bottleneck} ({p.bottleneck_share:.0%} of the critical path)",
         f"slots {p.n_slots} x {format_bytes(p.slot_bytes)} (prefetch distance {p.prefetch_distance}), "
         f"{p.n_grad_slots} gradient slot(s) x {format_bytes(p.grad_slot_bytes)}; checkpoints {counts['device']} "
-        f"device, {counts['host']} host, {counts['keep']} keep",
+        f"device, {counts['host']} host, {counts['keep']} keep"
+        + (f", {counts['rebuild']} rebuild" if counts["rebuild"] else ""),
     ]
 
 

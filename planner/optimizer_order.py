@@ -50,7 +50,7 @@ def choose_split(ir: ModelIR, costs: CostModel, order: Order, dec: Decisions) ->
     n = len(ir.units)
     keep = [p == "keep" for p in dec.placement]
     host = [p == "host" and bool(u.carry_in) for p, u in zip(dec.placement, ir.units)]
-    b = [max(K * costs.backward(i, keep[i]), (0.0 if i in order.resident else costs.load[i])
+    b = [max(K * costs.backward(i, keep[i], dec.placement[i] == "rebuild"), (0.0 if i in order.resident else costs.load[i])
              + (K * costs.reload[i] if host[i] else 0.0), costs.store[i]) for i in range(n)]
     fwd = [max(K * costs.fwd[i], K * costs.offload[i] if i + 1 < n and host[i + 1] else 0.0) for i in range(n)]
     bwd_units = list(order.backward)

@@ -6,12 +6,15 @@ find the smallest budget that works. Try it: `pytest tests/planner/test_placemen
 Algorithm: greedy on a multiple-choice knapsack. Start from the minimal-memory schedule (one parameter slot,
 one gradient slot, every checkpoint on host), then repeatedly take the move with the most predicted seconds
 saved per device byte: a checkpoint host -> device (no offload/reload traffic), device or host -> keep (no
-recompute), one more parameter slot (one less backward reload, and prefetch), a second gradient slot (the
+recompute), host -> rebuild and then rebuild -> device or keep (a unit that can rebuild its carry-in from its
+carry-out, DepthSSD's, keeps only its sub-layer inputs: fewer bytes than its carry, no traffic, one more
+forward in backward), one more parameter slot (one less backward reload, and prefetch), a second gradient slot (the
 store of unit u overlaps the backward of u-1). A move is accepted when the bound `peak + its bytes` fits, or
 else when the exact peak of the lowered program fits; the search stops after 6 rejected moves.
 Why: the cost is nearly separable per unit and units are small against the budget, so greedy by ratio is
 within one item of the LP optimum, runs in O(N^2) cheap steps (milliseconds at 120B), and every accepted
-state is checked against the exact memory timeline. A DP over bytes or a MILP (Checkmate) would cost
+state is checked against the exact memory timeline. Once a move does not fit, no larger move is tried (so a
+rejected checkpoint -> keep does not crowd out a cheaper rebuild elsewhere). A DP over bytes or a MILP (Checkmate) would cost
 seconds for a gain the homogeneous blocks of a transformer do not leave room for.
 
 The predicted seconds come from an analytic per-phase roofline over costs.py's op prices: forward =
@@ -33,7 +36,7 @@ from megatrain.ir.model_ir import ModelIR
 
 from .bytesize import format_bytes
 from .costs import CostModel
-from .schedule import Decisions, buffer_specs, grad_slot_bytes, lower_ops, make_order, slot_bytes
+from .schedule import Decisions, buffer_specs, can_rebuild, grad_slot_bytes, lower_ops, make_order, slot_bytes
 from .timeline import Timeline, walk
 
 MAX_REJECTIONS = 6
@@ -82,7 +85,7 @@ class _Model:
     def time(self, S: int, G: int, rec: float, off: float, on: float) -> tuple[float, float]:
         """(predicted step, its GPU-side part)."""
         load_b = self.load_prefix[max(0, self.n - S)]
-        F = self.cf + self.load_f if S == 1 else max(self.cf, self.load_f, off)
+        F = max(self.cf + self.load_f, off) if S == 1 else max(self.cf, self.load_f, off)
         Bc = self.cb0 + rec + (self.store if G == 1 else 0.0) + (load_b if S == 1 else 0.0)
         B = max(Bc, load_b + on, self.store)
         gpu = F + B + self.tail + self.clip_s
@@ -102,6 +105,8 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
     sb, gb = slot_bytes(ir), grad_slot_bytes(ir)
     cin = [K * u.carry_in_bytes for u in ir.units]
     sav = [K * u.saved_bytes for u in ir.units]
+    side = [K * (u.rebuild_bytes or 0) for u in ir.units]
+    rebuildable = [can_rebuild(ir, i) for i in range(n)]
     lines: list[str] = []
     rec = sum(model.rec[i] for i in range(n) if place[i] != "keep")
     off = sum(model.off[i] for i in range(n) if place[i] == "host")
@@ -140,8 +145,13 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
             if place[i] == "host":
                 yield _Move("ckpt", i, "device", cin[i])
                 yield _Move("ckpt", i, "keep", cin[i] + sav[i])
+                if rebuildable[i]:
+                    yield _Move("ckpt", i, "rebuild", side[i])
             elif place[i] == "device":
                 yield _Move("ckpt", i, "keep", sav[i])
+            elif place[i] == "rebuild":
+                yield _Move("ckpt", i, "device", cin[i] - side[i])
+                yield _Move("ckpt", i, "keep", cin[i] - side[i] + sav[i])
 
     def after(m: _Move) -> tuple[float, float]:
         if m.kind == "slot":
@@ -149,18 +159,19 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
         if m.kind == "grad":
             return model.time(S, G + 1, rec, off, on)
         was = place[m.unit]
-        r = rec - (model.rec[m.unit] if m.to == "keep" else 0.0)
+        r = rec + _rec_delta(model.rec[m.unit], was, m.to)
         o = off - (model.off[m.unit] if was == "host" else 0.0)
         a = on - (model.on[m.unit] if was == "host" else 0.0)
         return model.time(S, G, r, o, a)
 
     rejected: set[_Move] = set()
+    too_big = device_budget + 1  # a move this large did not fit: larger ones are not tried
     taken: dict[str, list] = {}
     t, gpu = t0, gpu0
     while len(rejected) < MAX_REJECTIONS:
         best, best_ratio = None, 0.0
         for m in candidates():
-            if m in rejected:
+            if m in rejected or m.nbytes >= too_big:
                 continue
             t_m, gpu_m = after(m)
             gain = t - t_m + (0.01 * (gpu - gpu_m) if m.kind != "ckpt" else 0.0)
@@ -172,11 +183,13 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
         if best is None:
             break
         new_t, new_gpu = after(best)
-        if peak + best.nbytes > device_budget:
+        # a rebuild also holds the next carry-in longer in backward: its bytes are no bound, check exactly
+        if best.to == "rebuild" or peak + best.nbytes > device_budget:
             trial = _apply(best, S, G, place)
             tl_try = exact_timeline(ir, K, Decisions(*trial), clip)
             if tl_try.peak > device_budget:
                 rejected.add(best)
+                too_big = min(too_big, best.nbytes)
                 if len(rejected) == 1 or len(rejected) == MAX_REJECTIONS:
                     lines.append(f"{_describe(best, ir)} does not fit: exact peak {format_bytes(tl_try.peak)}")
                 continue
@@ -186,7 +199,7 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
             tl = None
         if best.kind == "ckpt":
             i, was = best.unit, place[best.unit]
-            rec -= model.rec[i] if best.to == "keep" else 0.0
+            rec += _rec_delta(model.rec[i], was, best.to)
             if was == "host":
                 off, on, host = off - model.off[i], on - model.on[i], host - cin[i]
             place[i] = best.to
@@ -208,8 +221,20 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
         tl = exact_timeline(ir, K, dec, clip)
     lines.append(f"final: {S} parameter slots (prefetch distance {S - 1}), {G} gradient slot(s); checkpoints "
                  f"{place.count('device') - (0 if ir.units[0].carry_in else 1)} device, {place.count('host')} host, "
-                 f"{place.count('keep')} keep; exact peak {format_bytes(tl.peak)}; analytic step {t:.4g} s")
+                 f"{place.count('keep')} keep{_rebuilds(place)}; exact peak {format_bytes(tl.peak)}; analytic step {t:.4g} s")
     return dec, lines, tl
+
+
+def _rebuilds(place: list[str]) -> str:
+    n = place.count("rebuild")
+    return f", {n} rebuild" if n else ""
+
+
+def _rec_delta(fwd: float, was: str, to: str) -> float:
+    """Change of backward recompute seconds when a checkpoint moves: keep recomputes nothing, rebuild one
+    forward more than device or host."""
+    cost = {"keep": 0.0, "device": fwd, "host": fwd, "rebuild": 2 * fwd}
+    return cost[to] - cost[was]
 
 
 def _apply(m: _Move, S: int, G: int, place: list[str]) -> tuple[int, int, tuple[str, ...]]:

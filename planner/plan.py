@@ -42,7 +42,7 @@ class UnitPlan(IRModel):
     name: str
     kind: str
     params: int
-    placement: Literal["device", "host", "keep"]
+    placement: Literal["device", "host", "keep", "rebuild"]
     slot: int
     grad_slot: int
     resident: bool = Field(description="stays in its slot from forward to backward (no reload)")
@@ -68,7 +68,7 @@ class Plan(IRModel):
     n_grad_slots: int
     slot_bytes: int
     grad_slot_bytes: int
-    placement: dict[str, Literal["device", "host", "keep"]]
+    placement: dict[str, Literal["device", "host", "keep", "rebuild"]]
     units: tuple[UnitPlan, ...]
     peak_gpu_bytes: int = Field(description="reserved + (buffers + workspace peak) x (1 + allocator margin)")
     peak_device_bytes: int = Field(description="peak of buffers + workspace, before reserve and margin")

@@ -36,11 +36,11 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
         place = dec.placement[i]
         host = place == "host" and bool(u.carry_in)
         resident = i in order.resident
-        ckpt = K * u.carry_in_bytes + (K * u.saved_bytes if place == "keep" else 0)
+        ckpt = K * (u.rebuild_bytes if place == "rebuild" else u.carry_in_bytes + (u.saved_bytes if place == "keep" else 0))
         units.append(UnitPlan(
             name=u.name, kind=u.kind, params=u.n_params, placement=place, slot=order.slot[i],
             grad_slot=order.grad_slot[i], resident=resident, checkpoint_bytes=ckpt,
-            forward_s=K * costs.fwd[i], backward_s=K * costs.backward(i, place == "keep"),
+            forward_s=K * costs.fwd[i], backward_s=K * costs.backward(i, place == "keep", place == "rebuild"),
             h2d_s=costs.load[i] * (1 if resident else 2) + (K * costs.reload[i] if host else 0.0),
             d2h_s=costs.store[i] + (K * costs.offload[i] if host else 0.0), optimizer_s=costs.opt[i]))
     host = host_breakdown(ir, host_checkpoint_bytes(s.program))

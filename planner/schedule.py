@@ -17,13 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.ir.base import dtype_bytes
 from megatrain.ir.model_ir import ModelIR
 
-Placement = str  # "device" | "host" | "keep"
-PLACEMENTS = ("device", "host", "keep")
+Placement = str  # "device" | "host" | "keep" | "rebuild"
+PLACEMENTS = ("device", "host", "keep", "rebuild")
 INSTR_FIELDS = ("op", "stream", "unit", "mb", "slot", "grad_slot", "event", "buffer", "keep_graph",
-                "accumulate", "reads", "writes", "workspace_bytes")
+                "accumulate", "rebuild", "reads", "writes", "workspace_bytes")
 
 
 @dataclass(frozen=True)
@@ -50,10 +49,11 @@ class Op:
     def __init__(self, op: str, stream: str, unit: str | None = None, mb: int | None = None,
                  slot: int | None = None, grad_slot: int | None = None, event: str | None = None,
                  buffer: str | None = None, keep_graph: bool = False, accumulate: bool = False,
-                 reads: tuple[str, ...] = (), writes: tuple[str, ...] = (), workspace_bytes: int = 0):
+                 rebuild: bool = False, reads: tuple[str, ...] = (), writes: tuple[str, ...] = (),
+                 workspace_bytes: int = 0):
         self.op, self.stream, self.unit, self.mb = op, stream, unit, mb
         self.slot, self.grad_slot, self.event, self.buffer = slot, grad_slot, event, buffer
-        self.keep_graph, self.accumulate = keep_graph, accumulate
+        self.keep_graph, self.accumulate, self.rebuild = keep_graph, accumulate, rebuild
         self.reads, self.writes, self.workspace_bytes = reads, writes, workspace_bytes
 
     def fields(self) -> dict:
@@ -72,9 +72,20 @@ def dcarry(unit: str, mb: int) -> str:
     return f"dcarry.{unit}.{mb}"
 
 
+def side(unit: str, mb: int) -> str:
+    return f"side.{unit}.{mb}"
+
+
+def can_rebuild(ir: ModelIR, i: int) -> bool:
+    """Unit i may rebuild its carry-in in backward: it records fewer bytes than its carry-in, and a later
+    unit's carry-in (what it rebuilds from) exists."""
+    u = ir.units[i]
+    return u.rebuild_bytes is not None and u.carry_in and u.rebuild_bytes < u.carry_in_bytes and i + 1 < len(ir.units)
+
+
 def slot_bytes(ir: ModelIR) -> int:
-    """One parameter slot: the largest unit's flat buffer in the compute dtype."""
-    return max(u.flat_numel for u in ir.units) * dtype_bytes(ir.dtype)
+    """One parameter slot: the largest unit's flat buffer in the compute dtype (and its fp32 buffers, if any)."""
+    return max(u.slot_bytes(ir.dtype) for u in ir.units)
 
 
 def grad_slot_bytes(ir: ModelIR) -> int:
@@ -143,6 +154,8 @@ def buffer_specs(ir: ModelIR, n_micro: int, dec: Decisions) -> list[tuple]:
             specs.append((dcarry(u.name, mb), "grad_carry", u.carry_in_bytes, False, u.name, mb))
             if place == "keep":
                 specs.append((saved(u.name, mb), "saved", u.saved_bytes, False, u.name, mb))
+            if place == "rebuild":
+                specs.append((side(u.name, mb), "saved", u.rebuild_bytes, False, u.name, mb))
     return specs
 
 
@@ -155,6 +168,10 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
     unit is stepped after clip_grads, in forward order."""
     split = len(order.backward) if optimizer_split is None else optimizer_split
     units, place, slot = ir.units, placement, order.slot
+    for i, where in enumerate(place):
+        if where == "rebuild" and not can_rebuild(ir, i):
+            raise ValueError(f"unit {units[i].name} cannot rebuild its carry-in (only DepthSSD blocks can, when "
+                             "what they record is smaller than their carry); place its checkpoint elsewhere")
     last = order.forward[-1]
     mbs = range(order.micro_batches)
     ops: list[Op] = []
@@ -184,18 +201,21 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
         load(fwd_queue[k].pop(0))
     for p, i in enumerate(order.forward):
         u = units[i]
-        keep = place[i] == "keep"
+        keep, rebuild = place[i] == "keep", place[i] == "rebuild"
         nxt = order.forward[p + 1] if i != last else None
         for mb in mbs:
             writes = ["loss" if nxt is None else carry(units[nxt].name, mb)]
             if keep:
                 writes.append(saved(u.name, mb))
+            if rebuild:
+                writes.append(side(u.name, mb))
             ops.append(Op("forward", "compute", unit=u.name, mb=mb, slot=slot[i], keep_graph=keep,
-                          reads=reads(i, mb), writes=tuple(writes), workspace_bytes=u.peak_fwd_bytes))
+                          rebuild=rebuild, reads=reads(i, mb), writes=tuple(writes),
+                          workspace_bytes=u.peak_fwd_bytes))
             if nxt is not None and place[nxt] == "host" and not compute_only:
                 buf = carry(units[nxt].name, mb)
                 ops.append(Op("offload_act", "d2h", buffer=buf, reads=(buf,), writes=(f"host:{buf}",)))
-            if u.carry_in and place[i] == "host":
+            if u.carry_in and place[i] in ("host", "rebuild"):
                 ops.append(Op("free", "compute", buffer=carry(u.name, mb)))
         if i not in order.resident and fwd_queue[slot[i]]:
             load(fwd_queue[slot[i]].pop(0))
@@ -218,17 +238,30 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
         if j + 1 < len(bwd):
             reload(bwd[j + 1])
         g = order.grad_slot[i]
-        keep = place[i] == "keep"
+        keep, rebuild = place[i] == "keep", place[i] == "rebuild"
         up = after.get(i)
+        # a unit that rebuilds its carry-in reads the next unit's, which then lives until this backward
+        held = i > 0 and place[i - 1] == "rebuild"
         for mb in mbs:
             extra = ((saved(u.name, mb),) if keep else ()) + ((dcarry(units[up].name, mb),) if up is not None else ())
+            if rebuild:
+                extra += (carry(units[up].name, mb), side(u.name, mb))
             writes = (f"grad{g}",) + ((dcarry(u.name, mb),) if u.carry_in else ())
             ws = max(0, u.peak_bwd_bytes - u.saved_bytes) if keep else u.peak_bwd_bytes
+            if rebuild:
+                writes = (carry(u.name, mb), *writes)
+                ws = max(ws, u.peak_fwd_bytes)
+            r = reads(i, mb, extra)
+            if rebuild:  # it writes its carry-in rather than reading it
+                r = tuple(x for x in r if x != carry(u.name, mb))
             ops.append(Op("backward", "compute", unit=u.name, mb=mb, slot=slot[i], grad_slot=g,
-                          accumulate=mb > 0, reads=reads(i, mb, extra), writes=writes, workspace_bytes=ws))
+                          accumulate=mb > 0, rebuild=rebuild, reads=r, writes=writes, workspace_bytes=ws))
             if up is not None:
                 ops.append(Op("free", "compute", buffer=dcarry(units[up].name, mb)))
-            if u.carry_in:
+            if rebuild:
+                ops.append(Op("free", "compute", buffer=carry(units[up].name, mb)))
+                ops.append(Op("free", "compute", buffer=side(u.name, mb)))
+            if u.carry_in and not held:
                 ops.append(Op("free", "compute", buffer=carry(u.name, mb)))
             if keep:
                 ops.append(Op("free", "compute", buffer=saved(u.name, mb)))

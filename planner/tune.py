@@ -28,6 +28,7 @@ from .train import TrainSpec
 
 class TuneRow(IRModel):
     micro_batch: int
+    depth_rank: int | None = Field(None, description="DepthSSD's rank N when tune sweeps it")
     gpu_budget_bytes: int
     feasible: bool
     plan: Plan | None = None
@@ -55,7 +56,7 @@ class TuneResult(IRModel):
         """One dict per row, without the Plans (what `megatrain tune --json` prints)."""
         out = []
         for r in self.rows:
-            d = {"micro_batch": r.micro_batch, "gpu_budget_bytes": r.gpu_budget_bytes, "feasible": r.feasible,
+            d = {"depth_rank": r.depth_rank, "micro_batch": r.micro_batch, "gpu_budget_bytes": r.gpu_budget_bytes, "feasible": r.feasible,
                  "pareto": r.pareto}
             if r.plan:
                 p = r.plan
@@ -81,12 +82,15 @@ def pareto_flags(points: Sequence[tuple[int, float] | None]) -> list[bool]:
     return flags
 
 
-def tune(model: str | ModelIR, hardware: Hardware | str, train: TrainSpec, budgets: Sequence[int | str],
+def tune(model, hardware: Hardware | str, train: TrainSpec, budgets: Sequence[int | str],
          micro_batches: Sequence[int] | None = None,
-         trace_fn: Callable[[str | ModelIR, int, TrainSpec], ModelIR] | None = None) -> TuneResult:
-    """Plan every (micro-batch, budget) pair. `model` is a preset/config name or a ModelIR; a ModelIR at
-    another micro-batch is re-traced from its config (synthetic ones rebuilt). Each micro-batch is traced
-    once (for the kernels of `hardware.device`); `train.micro_batch` is replaced by each value."""
+         trace_fn: Callable[[object, int, TrainSpec], ModelIR] | None = None,
+         depth_ranks: Sequence[int] | None = None) -> TuneResult:
+    """Plan every (micro-batch, budget) pair, and every DepthSSD rank in `depth_ranks` if given. `model` is a
+    preset/config name, a ModelConfig or a ModelIR; a ModelIR at another micro-batch is re-traced from its
+    config (synthetic ones rebuilt). Each (rank, micro-batch) is traced once (for the kernels of
+    `hardware.device`); `train.micro_batch` is replaced by each value. The Pareto front is per rank: a
+    larger N trades speed for quality, which the front cannot weigh."""
     hw = resolve_hardware(hardware)
     sizes = [parse_bytes(b) for b in budgets]
     mbs = list(micro_batches) if micro_batches else [train.micro_batch]
@@ -98,17 +102,31 @@ def tune(model: str | ModelIR, hardware: Hardware | str, train: TrainSpec, budge
                          f"{hw.name}; drop it from the budgets or use a profile with more GPU memory")
     trace_fn = trace_fn or (lambda model, mb, spec: _trace(model, mb, spec, hw.device))
     rows: list[TuneRow] = []
-    for mb in mbs:
-        spec = train.replace(micro_batch=mb)
-        ir = trace_fn(model, mb, spec)
-        for budget in sizes:
-            try:
-                rows.append(TuneRow(micro_batch=mb, gpu_budget_bytes=budget, feasible=True,
-                                    plan=plan(ir, hw, spec, budget)))
-            except InfeasiblePlanError as e:
-                rows.append(TuneRow(micro_batch=mb, gpu_budget_bytes=budget, feasible=False, error=str(e),
-                                    needed_bytes=e.needed_bytes))
-    flags = pareto_flags([(r.gpu_budget_bytes, r.tokens_per_s) if r.feasible else None for r in rows])
+    for rank in depth_ranks or [None]:
+        variant = model
+        if rank is not None:
+            from megatrain.models import ModelConfig, load_model_config
+
+            from .depth_rank import rank_config
+
+            base = ModelConfig.model_validate(model.config) if isinstance(model, ModelIR) else load_model_config(model)
+            variant = rank_config(base, rank)
+        for mb in mbs:
+            spec = train.replace(micro_batch=mb)
+            ir = trace_fn(variant, mb, spec)
+            for budget in sizes:
+                try:
+                    rows.append(TuneRow(depth_rank=rank, micro_batch=mb, gpu_budget_bytes=budget, feasible=True,
+                                        plan=plan(ir, hw, spec, budget)))
+                except InfeasiblePlanError as e:
+                    rows.append(TuneRow(depth_rank=rank, micro_batch=mb, gpu_budget_bytes=budget, feasible=False,
+                                        error=str(e), needed_bytes=e.needed_bytes))
+    flags = [False] * len(rows)
+    for rank in depth_ranks or [None]:
+        idx = [i for i, r in enumerate(rows) if r.depth_rank == rank]
+        for i, f in zip(idx, pareto_flags([(rows[i].gpu_budget_bytes, rows[i].tokens_per_s) if rows[i].feasible
+                                           else None for i in idx])):
+            flags[i] = f
     return TuneResult(rows=tuple(r.replace(pareto=f) for r, f in zip(rows, flags)))
 
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from megatrain.planner.bytesize import format_bytes, parse_bytes
-from megatrain.planner.cli import _common, _hardware, _train
+from megatrain.planner.cli import _common, _hardware, _model, _train
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -66,8 +66,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_compile)
 
     from .corpus import add_prepare_parser
+    from .depth_matrix import add_parser as add_depth_matrix_parser
 
     add_prepare_parser(subparsers)
+    add_depth_matrix_parser(subparsers)
 
     e = subparsers.add_parser("export", help="write a checkpoint's weights as one safetensors file",
                               description="Write the fp32 master weights of a checkpoint, alone, as one "
@@ -191,7 +193,7 @@ def run_train(args: argparse.Namespace) -> int:
         writable_dir(ckpt_dir, "--checkpoint-dir")
     data, val = _data_paths(args)
     device, hardware = _device_and_hardware(args)
-    with Trainer(args.model, spec, budget, hardware=hardware, device=device, data=data, val_data=val,
+    with Trainer(_model(args), spec, budget, hardware=hardware, device=device, data=data, val_data=val,
                  metrics_path=args.metrics, checkpoint_dir=ckpt_dir, checkpoint_every=args.checkpoint_every,
                  keep_checkpoints=args.keep_checkpoints, resume=args.resume, on_nan=args.on_nan) as trainer:
         p = trainer.plan
@@ -251,7 +253,7 @@ def run_compile(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     spec = _train(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
-    result = plan(_load_ir(args.model, spec, hw), hw, spec, budget)
+    result = plan(_load_ir(_model(args), spec, hw), hw, spec, budget)
     out = Path(args.out)
     try:
         out.write_text(emit(result))

@@ -47,6 +47,28 @@ def _outer(b: Tensor, v: Tensor) -> Tensor:
     return b.float().view(-1, *([1] * v.dim())) * v.float()
 
 
+class StateWrite(torch.autograd.Function):
+    """S' = a · S + B ⊗ v, with the backward written out: dS = a·dS', da = <dS', S>, dB = dS'·v, dv = Bᵀ dS'.
+    Autograd of the same expression makes an N x T x d temporary per product and reduces it again; these are
+    single passes (a dot product and two matrix-vector products), which is most of DepthSSD's cost at small d."""
+
+    @staticmethod
+    def forward(ctx, s: Tensor, a: Tensor, b: Tensor, v: Tensor) -> Tensor:
+        ctx.save_for_backward(s, a, b, v)
+        out = s * a
+        return out.addcmul_(b.view(-1, *([1] * v.dim())), v)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        s, a, b, v = ctx.saved_tensors
+        g2 = g.reshape(b.shape[0], -1)
+        ds = g * a if ctx.needs_input_grad[0] else None
+        da = torch.dot(g.reshape(-1), s.reshape(-1)).reshape(a.shape) if ctx.needs_input_grad[1] else None
+        db = g2 @ v.reshape(-1) if ctx.needs_input_grad[2] else None
+        dv = (b @ g2).view(v.shape) if ctx.needs_input_grad[3] else None
+        return ds, da, db, dv
+
+
 class EmbedMixer(nn.Module):
     def __init__(self, config, spec):
         super().__init__()
@@ -60,6 +82,8 @@ class BlockMixer(nn.Module):
     """Two sub-layers (attention, MLP) of the recurrence. Modes: `record=True` also returns the sub-layer
     inputs (h_1, h_2); `side=(h_1, h_2)` recomputes with those inputs; `rebuild=(h_1, h_2)` maps the
     carry-out back to the carry-in without autograd."""
+
+    rebuildable = True
 
     def __init__(self, config, spec, layer: int):
         super().__init__()
@@ -78,7 +102,7 @@ class BlockMixer(nn.Module):
             if side is not None:  # the recorded value, with the gradient of the recomputed one
                 h = side[j] + (h - h.detach())
             hs.append(h)
-            s = a[j] * s + _outer(self.B[j], f(h))
+            s = StateWrite.apply(s, a[j], self.B[j].float(), f(h).float())
         return ((s,), tuple(hs)) if record else (s,)
 
     @torch.no_grad()

@@ -121,6 +121,16 @@ def test_depthssd_recurrent_and_dual_forms_agree_and_rank_is_n(n):
     assert depthssd.semiseparable_rank(torch.tril(torch.randn(13, 13, dtype=torch.float64), -1)) == 6
 
 
+def test_depthssd_state_write_gradients():
+    args = (torch.randn(3, 2, 5, 4, dtype=torch.float64, requires_grad=True),
+            torch.tensor(0.7, dtype=torch.float64, requires_grad=True),
+            torch.randn(3, dtype=torch.float64, requires_grad=True),
+            torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True))
+    assert torch.autograd.gradcheck(depthssd.StateWrite.apply, args)
+    s, a, b, v = (x.detach() for x in args)
+    torch.testing.assert_close(depthssd.StateWrite.apply(s, a, b, v), a * s + b.view(-1, 1, 1, 1) * v)
+
+
 def test_depthssd_rebuild_recovers_the_carry_in():
     config = _config("depthssd:8")
     model = build_eager(config, seed=4)
@@ -158,8 +168,10 @@ def test_parameter_counts(mixing):
 def test_carry_bytes_follow_the_state():
     """What the IR records per unit: N fp32 copies for DepthSSD, n streams for HC, the stack for DenseFormer."""
     tokens_d = 16 * 128
+    irs = {m: trace(_config(m), 1, 16, "bf16", target="cpu") for m in ("residual", "depthssd:8", "hc:4", "denseformer")}
+
     def carry(mixing, unit):
-        return trace(_config(mixing), 1, 16, "bf16", target="cpu").unit(unit).carry_in_bytes
+        return irs[mixing].unit(unit).carry_in_bytes
     assert carry("residual", "blocks.1") == tokens_d * 2
     assert carry("depthssd:8", "blocks.1") == 8 * tokens_d * 4
     assert carry("hc:4", "blocks.1") == 4 * tokens_d * 2

@@ -28,6 +28,6 @@ def cached_traces(monkeypatch):
     from megatrain.planner import loading
 
     def trace_model(model, micro_batch, seq_len, dtype, target="cuda"):
-        return traced(getattr(model, "name", model), micro_batch, seq_len, dtype, target)
+        return traced(model, micro_batch, seq_len, dtype, target)  # a name, or a (hashable) ModelConfig
 
     monkeypatch.setattr(loading, "trace_model", trace_model)

@@ -18,8 +18,8 @@ from megatrain.planner.synthetic import build_ir
 
 
 @functools.cache
-def traced(model: str, micro_batch: int, seq_len: int, dtype: str = "bfloat16", target: str = "cuda") -> ModelIR:
-    """A real preset's ModelIR, traced once per session."""
+def traced(model, micro_batch: int, seq_len: int, dtype: str = "bfloat16", target: str = "cuda") -> ModelIR:
+    """A real preset's (or a ModelConfig's) ModelIR, traced once per session."""
     return _trace_model(model, micro_batch, seq_len, dtype, target)
 
 
