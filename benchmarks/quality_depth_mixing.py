@@ -35,8 +35,11 @@ BUDGET = 256 * 2**20  # the whole model fits: the runs measure depth mixing, not
 VAL_BATCHES = 32
 
 
-def model(mixing: str) -> ModelConfig:
-    return ModelConfig(**{**preset("tiny").model_dump(), "name": mixing, "n_layers": 8, "depth_mixing": mixing})
+def model(mixing: str, d_model: int = 128) -> ModelConfig:
+    """The tiny preset at 8 blocks; a wider `d_model` keeps head_dim 32, the kv ratio and ffn = 2.75 d."""
+    wide = {"d_model": d_model, "n_heads": d_model // 32, "n_kv_heads": d_model // 64, "ffn_dim": 11 * d_model // 4}
+    return ModelConfig(**{**preset("tiny").model_dump(), **(wide if d_model != 128 else {}), "name": mixing,
+                          "n_layers": 8, "depth_mixing": mixing})
 
 
 def run(mixing: str, seed: int, steps: int, data) -> dict:
@@ -53,14 +56,14 @@ def run(mixing: str, seed: int, steps: int, data) -> dict:
             "seconds": time.perf_counter() - t0}
 
 
-def speed(variants: list[str], rounds: int) -> dict[str, float]:
+def speed(variants: list[str], rounds: int, d_model: int = 128) -> dict[str, float]:
     """Median seconds per step of each variant, steps interleaved round-robin on one batch."""
     train = TrainSpec(micro_batch=8, seq_len=128, grad_accum=1, dtype="fp32", lr=3e-3, total_steps=100,
                       clip_norm=1.0)
     g = torch.Generator().manual_seed(0)
     batch = [(torch.randint(0, 256, (8, 128), generator=g), torch.randint(0, 256, (8, 128), generator=g))]
     with ExitStack() as stack:
-        trainers = {v: stack.enter_context(Trainer(model(v), train, BUDGET)) for v in variants}
+        trainers = {v: stack.enter_context(Trainer(model(v, d_model), train, 4 * BUDGET)) for v in variants}
         times: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(rounds + 1):
             for v, t in trainers.items():
@@ -95,9 +98,16 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--speed-rounds", type=int, default=5, help="interleaved timed steps per variant (0: none)")
     ap.add_argument("--runs", metavar="FILE", help="take the quality runs from this --json file instead of training")
+    ap.add_argument("--speed-d-model", type=int, default=128, help="model width of the speed rounds (default 128)")
+    ap.add_argument("--speed-only", action="store_true", help="no quality runs: time the variants and stop")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     variants = args.variants.split(",")
+    if args.speed_only:
+        seconds = speed(variants, args.speed_rounds, args.speed_d_model)
+        print(f"d_model {args.speed_d_model}, seconds per step and tokens/s vs residual: " + ", ".join(
+            f"{v} {s:.3f} ({seconds['residual'] / s:.2f}x)" for v, s in seconds.items()))
+        return
     if args.runs:
         with open(args.runs) as f:
             runs = json.load(f)
