@@ -8,7 +8,7 @@ import pytest
 import torch
 from runtime_schedules import make_batches, plans_by_shape, streamed_train
 
-from megatrain.models import preset
+from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec
 from megatrain.runtime.reference import EagerTrainer
 
@@ -18,10 +18,10 @@ pytestmark = [pytest.mark.cuda,
 TINY = preset("tiny")
 
 
-def _eager_cuda(train, batches):
+def _eager_cuda(train, batches, config=TINY):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    trainer = EagerTrainer(TINY, train)
+    trainer = EagerTrainer(config, train)
     trainer.model.cuda()
     trainer.opt = torch.optim.AdamW(trainer.model.parameters(), lr=train.lr, betas=train.betas, eps=train.eps,
                                     weight_decay=train.weight_decay, fused=True)
@@ -44,6 +44,21 @@ def test_streamed_equals_eager_on_cuda(grad_accum, clip):
         got = store.named_master()
         for name, t in want.items():
             torch.testing.assert_close(got[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mixing", ["denseformer", "hc-dynamic:2", "attnres:3", "depthssd:4"])
+def test_depth_mixing_streams_on_cuda(mixing):
+    config = ModelConfig(**{**TINY.model_dump(), "n_layers": 3, "depth_mixing": mixing})
+    train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="fp32", lr=2e-3, warmup_steps=1,
+                      total_steps=3, clip_norm=1.0)
+    batches = make_batches(config, train, steps=3)
+    want, eager_losses = _eager_cuda(train, batches, config)
+    for p in plans_by_shape(config, train, budgets_mib=(4, 8, 64), target="cuda").values():
+        store, losses, peak = streamed_train(p, batches, kind="cuda")
+        assert losses == pytest.approx(eager_losses, rel=1e-5)
+        assert peak == p.peak_buffer_bytes
+        for name, t in want.items():
+            torch.testing.assert_close(store.named_master()[name], t, rtol=1e-5, atol=2e-6, msg=name)
 
 
 def test_repeated_cuda_runs_agree():
