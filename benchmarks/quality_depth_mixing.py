@@ -24,15 +24,13 @@ import time
 from contextlib import ExitStack
 
 import torch
+from quality_runs import BUDGET, train_run, train_spec
 
 from megatrain.models import ModelConfig, preset
-from megatrain.planner import TrainSpec
 from megatrain.runtime.corpus import cached_default_corpus
 from megatrain.runtime.trainer import Trainer
 
 VARIANTS = ("residual", "denseformer", "hc:4", "hc-dynamic:4", "attnres:4", "depthssd:1", "depthssd:8")
-BUDGET = 256 * 2**20  # the whole model fits: the runs measure depth mixing, not streaming
-VAL_BATCHES = 32
 
 
 def model(mixing: str, d_model: int = 128) -> ModelConfig:
@@ -43,23 +41,12 @@ def model(mixing: str, d_model: int = 128) -> ModelConfig:
 
 
 def run(mixing: str, seed: int, steps: int, data) -> dict:
-    config = model(mixing)
-    train = TrainSpec(micro_batch=8, seq_len=128, grad_accum=1, dtype="fp32", lr=3e-3, warmup_steps=steps // 10,
-                      total_steps=steps, weight_decay=0.1, clip_norm=1.0, seed=seed)
-    t0 = time.perf_counter()
-    with Trainer(config, train, BUDGET, data=data[0], val_data=data[1]) as t:
-        records = t.run(steps, progress=False)
-        val = t.validation_loss(VAL_BATCHES)
-    tail = records[-max(1, steps // 10):]
-    return {"variant": mixing, "seed": seed, "val_loss": val, "train_loss": statistics.mean(r["loss"] for r in tail),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[1:]), "params": config.n_params(),
-            "seconds": time.perf_counter() - t0}
+    return {"variant": mixing, **train_run(model(mixing), seed, steps, data)[0]}
 
 
 def speed(variants: list[str], rounds: int, d_model: int = 128) -> dict[str, float]:
     """Median seconds per step of each variant, steps interleaved round-robin on one batch."""
-    train = TrainSpec(micro_batch=8, seq_len=128, grad_accum=1, dtype="fp32", lr=3e-3, total_steps=100,
-                      clip_norm=1.0)
+    train = train_spec(steps=100)
     g = torch.Generator().manual_seed(0)
     batch = [(torch.randint(0, 256, (8, 128), generator=g), torch.randint(0, 256, (8, 128), generator=g))]
     with ExitStack() as stack:

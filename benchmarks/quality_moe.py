@@ -21,19 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
+from quality_runs import train_run
 
 from megatrain.models import ModelConfig, preset
 from megatrain.models.moe import MoEConfig, active_params
-from megatrain.planner import TrainSpec
 from megatrain.runtime.corpus import cached_default_corpus
-from megatrain.runtime.trainer import Trainer
 
 ROUTERS = ("dense", "tc-aux", "tc-bias", "et")
-BUDGET = 256 * 2**20  # the whole model fits: the runs measure routing, not streaming
-VAL_BATCHES = 32
 
 
 def model(router: str, steps: int, et_momentum: float = 0.99, et_warmup: float = 0.2) -> ModelConfig:
@@ -50,16 +46,8 @@ def model(router: str, steps: int, et_momentum: float = 0.99, et_warmup: float =
 
 def run(router: str, seed: int, steps: int, data, **et) -> dict:
     config = model(router, steps, **et)
-    train = TrainSpec(micro_batch=8, seq_len=128, grad_accum=1, dtype="fp32", lr=3e-3, warmup_steps=steps // 10,
-                      total_steps=steps, weight_decay=0.1, clip_norm=1.0, seed=seed)
-    t0 = time.perf_counter()
-    with Trainer(config, train, BUDGET, data=data[0], val_data=data[1]) as t:
-        records = t.run(steps, progress=False)
-        val = t.validation_loss(VAL_BATCHES)
-    tail = records[-max(1, steps // 10):]
-    out = {"router": router, "seed": seed, "val_loss": val, "train_loss": statistics.mean(r["loss"] for r in tail),
-           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records[1:]), "params": config.n_params(),
-           "active_params": active_params(config), "wall_s": time.perf_counter() - t0}
+    out, tail = train_run(config, seed, steps, data)
+    out |= {"router": router, "active_params": active_params(config)}
     for key in ("moe_load_max_over_mean", "moe_experts_per_token", "moe_zero_expert_share", "moe_drop_rate",
                 "moe_pad_rate"):
         if key in tail[0]:
@@ -108,7 +96,7 @@ def main() -> None:
                                et_warmup=args.et_warmup))
             r = results[-1]
             print(f"seed {seed} {router:8s} val {r['val_loss']:.4f} train {r['train_loss']:.4f} "
-                  f"{r['tokens_per_s']:,.0f} tok/s ({r['wall_s']:.0f} s)", flush=True)
+                  f"{r['tokens_per_s']:,.0f} tok/s ({r['seconds']:.0f} s)", flush=True)
     print(table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,7 +20,6 @@ import time
 import weakref
 
 import torch
-from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -156,27 +155,21 @@ def _measure(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch
                 graph_nodes=graph_nodes)
 
 
-def _rebuild_bytes(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch.dtype) -> int | None:
-    """Bytes a unit that can rebuild its carry-in from its carry-out records in its forward, else None."""
-    if not getattr(template, "can_rebuild", False):
-        return None
-    params = {n: torch.empty(p.shape, dtype=dt) for n, p in template.named_parameters()}
-    carry = tuple(torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in carry_in)
-    with torch.no_grad():
-        _, side = functional_call(template, params, (carry, inputs), {"record": True}, strict=False)
-    return sum(t.nbytes for t in side)
-
-
 def _carry_out(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch.dtype, unit: str):
+    """The carry-out specs of one no-grad forward, and the bytes a unit that can rebuild its carry-in from its
+    carry-out records in that forward (None for other units)."""
     params = {n: torch.empty(p.shape, dtype=dt) for n, p in template.named_parameters()}
     carry = tuple(torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in carry_in)
+    rebuild = getattr(template, "can_rebuild", False)
     with torch.no_grad():
-        out = run_unit(template, params, carry, inputs, _buffers(template))
+        out = run_unit(template, params, carry, inputs, _buffers(template), **({"record": True} if rebuild else {}))
+    out, side = out if rebuild else (out, None)
     for i, t in enumerate(out):
         if not t.is_contiguous():  # an offloaded copy would be contiguous, and kernels may sum differently
             raise ValueError(f"unit {unit} returns a non-contiguous carry (output {i}); make it .contiguous()")
-    return [TensorSpec(name=f"{unit}.out{i}", shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
-            for i, t in enumerate(out)]
+    specs = [TensorSpec(name=f"{unit}.out{i}", shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+             for i, t in enumerate(out)]
+    return specs, (sum(t.nbytes for t in side) if side is not None else None)
 
 
 def trace(model: str | ModelConfig, micro_batch: int, seq_len: int, dtype: str | torch.dtype = "bfloat16",
@@ -210,11 +203,11 @@ def trace(model: str | ModelConfig, micro_batch: int, seq_len: int, dtype: str |
             cache_key = (key, tuple((s.shape, s.dtype) for s in carry_in))
             if cache_key not in cache:
                 layout, numel = template_layout(tmpl)
-                out = _carry_out(tmpl, carry_in, inputs, dt, name)
+                out, rebuild_bytes = _carry_out(tmpl, carry_in, inputs, dt, name)
                 buffers = tuple(TensorSpec(name=n, shape=tuple(b.shape), dtype="float32")
                                 for n, b in tmpl.named_buffers())
                 cache[cache_key] = dict(layout=layout, flat_numel=numel, carry_out=out, buffers=buffers,
-                                        rebuild_bytes=_rebuild_bytes(tmpl, carry_in, inputs, dt),
+                                        rebuild_bytes=rebuild_bytes,
                                         **_measure_unit(tmpl, carry_in, inputs, dt))
             m = cache[cache_key]
             carry_out = [s.replace(name=f"{name}.out{i}") for i, s in enumerate(m["carry_out"])]

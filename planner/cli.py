@@ -142,7 +142,7 @@ def run_plan(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     train = _train(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
-    config, rank_lines, rank_rows = _model(args), (), None
+    config, choice = _model(args), None
     try:
         if args.depth_rank is None:
             result = plan(_load_ir(config, train, hw), hw, train, budget)
@@ -150,7 +150,7 @@ def run_plan(args: argparse.Namespace) -> int:
             from .depth_rank import choose_rank
 
             choice = choose_rank(config, hw, train, budget, lambda c, t: _load_ir(c, t, hw), args.rank_tolerance)
-            result, rank_lines, rank_rows = choice.plan, choice.lines, list(choice.rows)
+            result = choice.plan
         else:
             from .depth_rank import rank_config
 
@@ -169,12 +169,12 @@ def run_plan(args: argparse.Namespace) -> int:
         _write(args.trace, None, "--trace", lambda path: write_trace(result, path))
     if args.json:
         summary = result.summary()
-        if rank_rows is not None:
-            summary["depth_rank"] = {"chosen": int(result.ir.config["depth_mixing"].split(":")[1]),
-                                     "tolerance": args.rank_tolerance, "ranks": rank_rows}
+        if choice is not None:
+            summary["depth_rank"] = {"chosen": choice.rank, "tolerance": args.rank_tolerance,
+                                     "ranks": list(choice.rows)}
         print(json.dumps(summary))
     else:
-        print("".join(line + "\n" for line in rank_lines), end="")
+        print("".join(line + "\n" for line in (choice.lines if choice else ())), end="")
         print(format_plan(result, explain=args.explain, program=args.program), end="")
         for path, what in ((args.trace, "trace"), (args.save, "plan")):
             if path:

@@ -30,8 +30,7 @@ def _check(config: ModelConfig) -> None:
 
 def matrix_from_init(config: ModelConfig, seed: int = 0) -> torch.Tensor:
     _check(config)
-    names = [n for n in _mix_names(config)]
-    return depthssd.model_mixing_matrix(init_weights(config, seed, names), config.n_layers)
+    return depthssd.model_mixing_matrix(init_weights(config, seed, _mix_names(config)), config.n_layers)
 
 
 def _mix_names(config: ModelConfig) -> list[str]:
