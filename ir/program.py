@@ -20,6 +20,10 @@ from pydantic import Field, model_validator
 from .base import IRModel
 
 Stream = Literal["compute", "h2d", "d2h", "host"]
+# offload_act / load_act of a checkpoint longer than this go in chunks of it through two pinned staging buffers
+# per copy stream (runtime/staging.py), pageable host copies; the planner prices the same (planner/transfers.py).
+# Shorter ones (a 70B model's 8k-token carries: 128 MiB) copy directly to their own pinned buffers.
+STAGING_BYTES = 256 * 2**20
 OpName = Literal[
     "alloc",
     "load_params",

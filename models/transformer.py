@@ -8,6 +8,11 @@ Architecture: RMSNorm (fp32 statistics), RoPE (rotate-half, as Hugging Face LLaM
 through F.scaled_dot_product_attention with a causal mask, SwiGLU MLP; the head is the final RMSNorm, the
 LM head and a chunked cross-entropy (loss.py) returning the *sum* of token losses in fp32.
 
+Long sequences (`StepInputs.chunk_tokens`, chosen by the planner's `chunks` pass): a block runs its norms,
+projections, RoPE and MLP over token chunks (tiled.py; recomputed chunk by chunk in backward), its attention
+as one fused flash call with grouped k and v unrepeated, and the head runs its final norm inside the loss's
+chunks. Chunk sizes of at least the sequence length run exactly today's untiled code.
+
 Units and their carries: `embed` () -> (h,); `blocks.{i}` (h,) -> (h,); `head` (h,) -> (loss_sum,).
 h is (B, T, d) in the compute dtype. A unit's parameter named `p` is `"{unit}.{p}"` in the eager model.
 """
@@ -26,6 +31,7 @@ from . import depth
 from .config import ModelConfig
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 from .moe import MoEFFN, reset_buffers
+from .tiled import tiled
 
 Carry = tuple[Tensor, ...]
 
@@ -44,6 +50,14 @@ class StepInputs:
     positions: Tensor | None = None  # (B, T) int64: each token's position in its document (RoPE)
     segments: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per row, its documents' [start, end)
     cu_seqlens: Tensor | None = None  # (n_docs + 1,) int32 document offsets over the flattened B*T tokens
+    # Sequence tiling (tiled.py): a block's token-wise work runs over chunks of this many tokens and the head's
+    # final norm inside its loss chunks; None (or at least the sequence length): the whole sequence at once.
+    chunk_tokens: int | None = None
+
+    def tiles(self, seq_len: int) -> int | None:
+        """The chunk size when this sequence is tiled, else None."""
+        c = self.chunk_tokens
+        return c if c is not None and c < seq_len else None
 
 
 class RMSNorm(nn.Module):
@@ -136,11 +150,14 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Ten
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, target: str = "cuda") -> Tensor:
     """Causal SDPA. On the meta device (tracing) it is the fused flash kernel that SDPA dispatches to on
     the target (CUDA's or the CPU's), so the trace records what that kernel saves for backward and never
-    materialises the (T, T) scores, where SDPA's math fallback on meta would."""
+    materialises the (T, T) scores, where SDPA's math fallback on meta would. k and v may have fewer heads
+    than q (grouped-query attention without repeating them: both flash kernels take that natively)."""
     if q.device.type == "meta":
         if target == "cpu":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+    if k.shape[1] != q.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
@@ -159,24 +176,53 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, inputs: StepInputs) -> Tensor:
         B, T, _ = x.shape
-        cos, sin = inputs.cos, inputs.sin
+        q, k, v = self.project(x, inputs.cos, inputs.sin, inputs.positions)
+        y = self.attend(q, k, v, inputs)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, n_heads, T, hd), k and v (B, n_kv, T, hd) of the normed input x, RoPE applied: the token-wise
+        half of attention. cos and sin are the rows of x's tokens, or the whole tables with `positions`."""
+        B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if inputs.positions is not None:  # packed: each document's positions restart at 0
-            cos, sin = cos[inputs.positions].unsqueeze(1), sin[inputs.positions].unsqueeze(1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv != self.n_heads:
+        if positions is not None:  # packed: each document's positions restart at 0
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs, repeat: bool = True) -> Tensor:
+        """The fused causal attention (per document when packed); `repeat=False` passes grouped k and v
+        to the kernel as they are, except for a packed batch, whose kernels take repeated ones."""
+        if self.n_kv != self.n_heads and (repeat or inputs.segments is not None):
             rep = self.n_heads // self.n_kv
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         if inputs.segments is None:
-            y = causal_attention(q, k, v, inputs.target)
-        else:
-            y = packed_attention(q, k, v, inputs)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+            return causal_attention(q, k, v, inputs.target)
+        return packed_attention(q, k, v, inputs)
+
+    def tiled_forward(self, h: Tensor, norm: nn.Module, inputs: StepInputs, chunk: int) -> Tensor:
+        """norm -> attention -> o_proj of the block input h with the token-wise parts tiled: the norm, q/k/v
+        and RoPE, then the output projection, `chunk` tokens at a time; the attention between them is one fused
+        call over the whole sequence, so no (T, T) tensor and no ffn-wide or fp32 (T, d) temporary exists."""
+        def qkv(m, x, s, e):
+            if inputs.positions is not None:
+                return self.project(m["norm"](x), inputs.cos, inputs.sin, inputs.positions[:, s:e])
+            return self.project(m["norm"](x), inputs.cos[s:e], inputs.sin[s:e], None)
+
+        def out(m, y, s, e):
+            B, _, n, _ = y.shape
+            return (m["o_proj"](y.transpose(1, 2).reshape(B, n, self.n_heads * self.hd)),)
+
+        mods = {"norm": norm, **{n: getattr(self, n) for n in ("q_proj", "k_proj", "v_proj")}}
+        if self.qk_norm:
+            mods.update(q_norm=self.q_norm, k_norm=self.k_norm)
+        q, k, v = tiled(qkv, mods, h, chunk, in_dim=1, out_dims=(2, 2, 2))
+        y = self.attend(q, k, v, inputs, repeat=False)
+        return tiled(out, {"o_proj": self.o_proj}, y, chunk, in_dim=2, out_dims=(1,))[0]
 
 
 class MLP(nn.Module):
@@ -249,20 +295,30 @@ class BlockUnit(nn.Module):
         return getattr(getattr(self, "mix", None), "rebuildable", False)
 
     def sublayers(self, inputs: StepInputs):
+        """The two sub-layers as functions of their input (B, T, d); tiled when `inputs` asks for chunks
+        shorter than the sequence (an MoE feed-forward routes over the whole micro-batch: never tiled)."""
         def attn(h: Tensor) -> Tensor:
+            chunk = inputs.tiles(h.shape[1])
+            if chunk is not None:
+                return self.self_attn.tiled_forward(h, self.input_layernorm, inputs, chunk)
             return self.self_attn(self.input_layernorm(h), inputs)
 
         def ffn(h: Tensor) -> Tensor:
+            chunk = inputs.tiles(h.shape[1])
+            if chunk is not None and isinstance(self.mlp, MLP):
+                mods = {"norm": self.post_attention_layernorm, "mlp": self.mlp}
+                return tiled(lambda m, x, s, e: (m["mlp"](m["norm"](x)),), mods, h, chunk)[0]
             return self.mlp(self.post_attention_layernorm(h))
 
         return attn, ffn
 
     def forward(self, carry: Carry, inputs: StepInputs, **mode) -> Carry:
+        attn, ffn = self.sublayers(inputs)
         if hasattr(self, "mix"):
-            return self.mix(carry, self.sublayers(inputs), **mode)
+            return self.mix(carry, (attn, ffn), **mode)
         (h,) = carry
-        h = h + self.self_attn(self.input_layernorm(h), inputs)
-        return (h + self.mlp(self.post_attention_layernorm(h)),)
+        h = h + attn(h)
+        return (h + ffn(h),)
 
 
 class HeadUnit(nn.Module):
@@ -281,9 +337,14 @@ class HeadUnit(nn.Module):
         return self.mix(carry) if hasattr(self, "mix") else carry[0]
 
     def forward(self, carry: Carry, inputs: StepInputs) -> Carry:
-        x = self.norm(self.final(carry))
+        x = self.final(carry)
+        targets = inputs.targets.reshape(-1)
+        if inputs.tiles(x.shape[-2]) is not None:  # tiled: the final norm runs inside the loss's chunks
+            x = x.reshape(-1, x.shape[-1])
+            return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, norm=self.norm),)
+        x = self.norm(x)
         x = x.reshape(-1, x.shape[-1])
-        return (chunked_cross_entropy(x, self.lm_head.weight, inputs.targets.reshape(-1), inputs.loss_chunk),)
+        return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk),)
 
 
 def unit_names(config: ModelConfig) -> list[str]:

@@ -1,7 +1,7 @@
 """The planner: one ordered pipeline of named passes, each a pure function that records its decisions.
 
 Where it sits: `plan(ir, hardware, train, budget)` is the planner's entry point (docs/DESIGN.md 4.3); it runs
-host_policy -> slots -> checkpoints -> order -> optimizer -> lower -> buffers -> sync -> verify -> estimate and
+host_policy -> chunks -> slots -> checkpoints -> order -> optimizer -> lower -> buffers -> sync -> verify -> estimate and
 assembles a Plan.
 Try it: `megatrain plan --model tiny --hardware cpu --seq-len 128 --micro-batch 2 --explain`.
 
@@ -21,11 +21,12 @@ from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Buffer, Instr, Program
 
 from .bytesize import format_bytes, parse_bytes
+from .chunking import choose_chunk
 from .costs import CostModel
 from .errors import InfeasiblePlanError
 from .estimate import Estimate, estimate_time
 from .hardware import Hardware, resolve_hardware
-from .host_policy import PAGE, PIN_ALIGN, HostPolicy, checkpoint_tensors, choose
+from .host_policy import PAGE, PIN_ALIGN, HostPolicy, checkpoint_buffers, checkpoint_host_bytes, choose
 from .optimizer_order import choose_split
 from .placement import exact_timeline, minimal, search
 from .plan import PassRecord, Plan
@@ -44,6 +45,7 @@ from .schedule import (
 from .sync import insert_sync
 from .timeline import Timeline, live_at, program_timeline
 from .train import TrainSpec
+from .transfers import staging_bytes
 from .verify import verify
 
 
@@ -78,6 +80,15 @@ def host_policy_pass(s: State) -> tuple[State, list[str]]:
                                costs=CostModel(s.ir, s.hw, choice.policy, s.train.clip_norm is not None)), list(choice.lines)
 
 
+def chunks_pass(s: State) -> tuple[State, list[str]]:
+    """Tokens per tile of the units' token-wise work (chunking.py): the fastest size that fits."""
+    clip = s.train.clip_norm is not None
+    ir, lines = choose_chunk(s.ir, s.hw, s.train.grad_accum, clip, s.budget, s.policy, s.host_floor)
+    if ir is s.ir:
+        return s, lines
+    return dataclasses.replace(s, ir=ir, costs=CostModel(ir, s.hw, s.policy, clip)), lines
+
+
 def slots_pass(s: State) -> tuple[State, list[str]]:
     """Slot sizes and the feasibility floor: the least-memory schedule must fit the GPU."""
     ir, hw, K = s.ir, s.hw, s.train.grad_accum
@@ -95,9 +106,10 @@ def slots_pass(s: State) -> tuple[State, list[str]]:
                      "workspace figures may differ; trace with the matching target for exact peaks")
     if need > s.budget:
         what, _ = _dominant(ir, K, low, s.train.clip_norm is not None, tl, hw)
+        tiles = "" if ir.chunk_tokens is None else f" with units tiled in chunks of {ir.chunk_tokens:,} tokens"
         raise InfeasiblePlanError(
             f"GPU budget {format_bytes(s.budget)} is too small for {ir.model} (micro-batch {ir.micro_batch} x "
-            f"seq {ir.seq_len}, {K} micro-batch(es)/step): the smallest workable budget is {format_bytes(need)}, "
+            f"seq {ir.seq_len}, {K} micro-batch(es)/step): the smallest workable budget{tiles} is {format_bytes(need)}, "
             f"dominated by {what}; use --gpu-mem {_suggest(need)} or more, or a "
             "shorter --seq-len / smaller --micro-batch", kind="gpu", needed_bytes=need, budget_bytes=s.budget,
             dominant=what)
@@ -108,8 +120,10 @@ def checkpoints_pass(s: State) -> tuple[State, list[str]]:
     """Per-unit checkpoint placement plus slot counts, minimising predicted step time under the budget."""
     state_bytes = s.host_floor
     device_budget = s.hw.device_bytes_for(s.budget)
-    # NOTE: each checkpoint tensor starts on a PIN_ALIGN boundary of the pinned region: leave room for that
-    slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) for u in s.ir.units)
+    # NOTE: each pinned checkpoint tensor starts on a PIN_ALIGN boundary: leave room for that, and for the
+    # checkpoint staging buffers should a checkpoint too long for its own pinned copy go to the host
+    slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) for u in s.ir.units) + \
+        staging_bytes(max((u.carry_in_bytes for u in s.ir.units), default=0))
     dec, lines, tl = search(s.ir, s.costs, s.train.grad_accum, s.train.clip_norm is not None, device_budget,
                             s.hw.host_memory_bytes - state_bytes - slack)
     if tl.peak > device_budget:  # host too small for the checkpoints the GPU cannot take either
@@ -145,8 +159,7 @@ def optimizer_pass(s: State) -> tuple[State, list[str]]:
     if s.train.clip_norm is not None:
         return s, [f"clip_norm {s.train.clip_norm:g}: clip_grads after every store, then every unit steps in "
                    "forward order while the next forward streams right behind (docs/DESIGN.md 4.5)"]
-    held = sum(-(-t // PIN_ALIGN) * PIN_ALIGN for t in checkpoint_tensors(s.ir, s.decisions.placement,
-                                                                            s.train.grad_accum))
+    held = checkpoint_host_bytes(checkpoint_buffers(s.ir, s.decisions.placement, s.train.grad_accum))
     room = s.hw.host_memory_bytes - s.host_floor - held - PAGE
     split, ring, lines = choose_split(s.ir, s.costs, s.order, s.decisions, s.policy, room)
     return dataclasses.replace(s, decisions=dataclasses.replace(s.decisions, optimizer_split=split,
@@ -202,7 +215,8 @@ def estimate_pass(s: State) -> tuple[State, list[str]]:
 
 
 PASSES: tuple[tuple[str, Pass], ...] = (
-    ("host_policy", host_policy_pass), ("slots", slots_pass), ("checkpoints", checkpoints_pass), ("order", order_pass),
+    ("host_policy", host_policy_pass), ("chunks", chunks_pass), ("slots", slots_pass),
+    ("checkpoints", checkpoints_pass), ("order", order_pass),
     ("optimizer", optimizer_pass), ("lower", lower_pass),
     ("buffers", buffers_pass), ("sync", sync_pass), ("verify", verify_pass), ("estimate", estimate_pass))
 
@@ -262,7 +276,8 @@ def _suggest(nbytes: int) -> str:
 
 def _dominant(ir: ModelIR, K: int, dec: Decisions, clip: bool, tl: Timeline, hw: Hardware) -> tuple[str, int]:
     """The largest component of the device peak of `dec`'s program."""
-    ops = lower_ops(ir, make_order(len(ir.units), K, dec), dec.placement, clip)
+    # NOTE: compute_only, as exact_timeline lowers: tl.index points into that list
+    ops = lower_ops(ir, make_order(len(ir.units), K, dec), dec.placement, clip, compute_only=True)
     specs = {sp[0]: sp for sp in buffer_specs(ir, K, dec)}
     pos = tl.index[tl.peak_at]
     parts: dict[str, int] = {}

@@ -10,7 +10,9 @@ forward/backward. `peak_buffer_bytes` is the buffers alone, which a sim device's
 byte: fp32 masters (4 per flat element), AdamW moments in the policy's dtype and their step counts, the host
 gradient buffers the program's store_grads land in (a ring for units stepped as they land, one per waiting
 unit), per-parameter gradient norms, the bf16 staging ring the link is fed from, unit buffers (MoE), host
-checkpoints (every offloaded carry tensor), and the pinned region's alignment. No persistent transfer copy.
+checkpoints (every offloaded carry tensor, a pool reused each step: pinned at its exact size, or pageable for
+one longer than a staging chunk), the pinned staging buffers those longer ones cross through
+(runtime/staging.py: 4 x 256 MiB, when any), and the pinned region's alignment. No persistent transfer copy.
 """
 
 from __future__ import annotations
@@ -95,8 +97,10 @@ class Plan(IRModel):
 
     @property
     def state_bytes_per_param(self) -> float:
-        """Host bytes per parameter before checkpoints: state, gradient buffers, norms, staging."""
-        return (self.host_bytes - self.host_breakdown.get("checkpoints", 0)) / max(1, self.ir.params_total)
+        """Host bytes per parameter before checkpoints (and their staging): state, gradient buffers, norms, the
+        transfer staging ring."""
+        ckpt = self.host_breakdown.get("checkpoints", 0) + self.host_breakdown.get("checkpoint_staging", 0)
+        return (self.host_bytes - ckpt) / max(1, self.ir.params_total)
 
     @property
     def feasible(self) -> bool:
@@ -121,6 +125,7 @@ class Plan(IRModel):
             "link_bound_tokens_per_s": self.link_bound_tokens_per_s,
             "n_slots": self.n_slots, "prefetch_distance": self.prefetch_distance,
             "n_grad_slots": self.n_grad_slots, "n_instructions": len(self.program.instrs),
+            "chunk_tokens": self.ir.chunk_tokens, "traced_seq_len": self.ir.traced_seq_len,
             "planner_seconds": self.planner_seconds,
             "units": [u.model_dump() for u in self.units],
         }

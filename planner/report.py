@@ -28,8 +28,8 @@ def program_host_breakdown(ir: ModelIR, program: Program, policy: HostPolicy | s
         if ins.op == "store_grads" and ins.host_grad is not None:
             assignment[index[ins.unit]] = ins.host_grad
     offloaded = sorted({ins.buffer for ins in program.instrs if ins.op == "offload_act"})
-    tensors = [t.nbytes for name in offloaded for t in ir.unit(program.buffer(name).unit).carry_in]
-    return host_layout(ir, resolve(policy), assignment, tensors)
+    checkpoints = [tuple(t.nbytes for t in ir.unit(program.buffer(name).unit).carry_in) for name in offloaded]
+    return host_layout(ir, resolve(policy), assignment, checkpoints)
 
 
 def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dict:

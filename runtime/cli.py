@@ -239,7 +239,8 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"{p.ir.model}: {p.ir.params_total:,} params streamed through a {trainer.device.kind} device with "
               f"a {format_bytes(budget)} budget ({p.n_slots} parameter slot(s); planned device peak "
               f"{format_bytes(trainer.planned_peak_device_bytes)}; host {format_bytes(trainer.store.host_bytes())} "
-              f"under host policy {p.host_policy})")
+              f"under host policy {p.host_policy})"
+              + (f"; units tiled in chunks of {p.ir.chunk_tokens:,} tokens" if p.ir.chunk_tokens else ""))
         if args.on_nan == "skip" and args.clip_norm is None:
             print("--on-nan skip: each step's host optimizer starts once every gradient has landed (a global "
                   "finiteness check), as with --clip-norm")

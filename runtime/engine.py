@@ -6,7 +6,7 @@ the device (device.py), so the calls return at once and the streams run concurre
 program's record/wait events. Errors inside a stream name the instruction that failed.
 
 How a unit runs: its template (models/) is bound to views of the slot holding its weights (no copies) with
-torch.func.functional_call. Forward runs without autograd and keeps the unit's carry-in as its checkpoint;
+torch.func.functional_call, tiled in chunks of the plan's `ir.chunk_tokens` (models/tiled.py) when set. Forward runs without autograd and keeps the unit's carry-in as its checkpoint;
 backward recomputes the unit from that checkpoint with autograd, back-propagates with torch.autograd.grad,
 and writes the parameter gradients into a fp32 gradient slot (adding across micro-batches).
 
@@ -29,7 +29,7 @@ import time
 import torch
 
 from megatrain.ir.model_ir import ModelIR, UnitIR
-from megatrain.ir.program import Program
+from megatrain.ir.program import STAGING_BYTES, Program
 from megatrain.ir.trace import DTYPES
 from megatrain.models import (
     ModelConfig,
@@ -45,6 +45,7 @@ from megatrain.models.binding import buffer_views, slot_buffers
 from megatrain.models.loss import IGNORE_INDEX
 
 from .device import Device
+from .staging import Staging
 from .store import HostStore
 
 
@@ -69,6 +70,7 @@ class Engine:
         self.n_tokens = 0
         self.routing_logs: dict[str, dict[int, routing.RoutingLog]] = {}  # this step's, by unit and micro-batch
         self.timeline: list[tuple] | None = None  # (stream, label, start, end, pool bytes) when tracing
+        self.staging = Staging(device, STAGING_BYTES, store.checkpoint_staging)  # long checkpoints' copies
         self._allocate_static()
 
     # -- static buffers -----------------------------------------------------------------------------------
@@ -212,15 +214,24 @@ class Engine:
 
     def offload_act(self, i: int, buffer: str) -> None:
         def run():
-            for dst, s in zip(self.store.host_act(buffer), self.bufs[buffer]):  # pinned, allocated with the store
-                self.device.copy(dst, s)
+            src = self.bufs[buffer]
+            long = _nbytes(src) > STAGING_BYTES  # through the pinned staging buffers, into pageable memory
+            for dst, s in zip(self.store.host_act(buffer), src):  # allocated with the store
+                if long:
+                    self.staging.to_host(dst, s)
+                else:
+                    self.device.copy(dst, s)
 
         self._submit("d2h", i, f"offload_act({buffer})", run)
 
     def load_act(self, i: int, buffer: str) -> None:
         def run():
+            long = _nbytes(self.bufs[buffer]) > STAGING_BYTES
             for dst, src in zip(self.bufs[buffer], self.store.host_act(buffer)):
-                self.device.copy(dst, src)
+                if long:
+                    self.staging.to_device(dst, src)
+                else:
+                    self.device.copy(dst, src)
 
         self._submit("h2d", i, f"load_act({buffer})", run)
 
@@ -326,7 +337,8 @@ class Engine:
     def _inputs(self, u: UnitIR, mb: int) -> StepInputs:
         tokens, targets, packed = self.bufs["batch"][mb]
         cos, sin = self.bufs["rope"]
-        return StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=self.loss_chunk, **packed)
+        return StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=self.loss_chunk,
+                          chunk_tokens=self.ir.chunk_tokens, **packed)
 
     def _forward_with_graph(self, u: UnitIR, slot: int, mb: int, side=None):
         """Forward with autograd from the unit's checkpoint; returns (params, carry, out, saved bytes)."""
@@ -416,7 +428,7 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
             params, buffers = views(slot, u.params), engine._buffers(u, 0)
             for b, (tokens, targets, packed) in enumerate(staged):
                 inputs = StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=engine.loss_chunk,
-                                    **packed)
+                                    chunk_tokens=engine.ir.chunk_tokens, **packed)
                 out = run_unit(engine.templates[u.template], params, carries[b], inputs, buffers)
                 if carries[b]:
                     dev.pool.free(f"eval.{b}")

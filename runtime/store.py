@@ -50,12 +50,12 @@ import threading
 import torch
 
 from megatrain.ir.model_ir import ModelIR, ParamSlice, UnitIR
-from megatrain.ir.program import Program
+from megatrain.ir.program import STAGING_BYTES, Program
 from megatrain.ir.trace import DTYPES as TRACE_DTYPES
 from megatrain.models import ModelConfig, decays, init_weights, templates
 from megatrain.models.binding import buffer_views
 from megatrain.models.moe import update_buffers
-from megatrain.planner.host_policy import HostPolicy, grad_buffer_elems, resolve, staging_elems
+from megatrain.planner.host_policy import HostPolicy, grad_buffer_elems, resolve, staged, staging_elems
 from megatrain.planner.train import TrainSpec
 
 from .host_memory import HostArena, HostBuffer
@@ -134,6 +134,8 @@ class HostStore:
         self.stage = [bufs[f"stage{k}"] for k in range(2) if f"stage{k}" in bufs]
         self.host_acts = {name: tuple(bufs[f"host:{name}.{j}"] for j in range(len(self._act_unit(name).carry_in)))
                           for name in self._offloaded()}
+        self.checkpoint_staging = {stream: [bufs[f"ckstage.{stream}.{k}"] for k in range(2)]
+                                   for stream in ("d2h", "h2d")} if self._staged() else {}
         if program is None:  # NOTE: no program binds gradient buffers: each unit's own is its gradient
             for i, st in enumerate(self.units.values()):
                 st.grad, st.grad_buffer = self.grad_buffers[i][: st.unit.flat_numel].zero_(), i
@@ -194,9 +196,18 @@ class HostStore:
             out += [HostBuffer(f"stage{k}", "transfer_staging", (staging_elems(self.ir),), self.compute_dtype,
                                pinned=True) for k in range(2)]
         for name in self._offloaded():
-            for j, t in enumerate(self._act_unit(name).carry_in):
-                out.append(HostBuffer(f"host:{name}.{j}", "checkpoints", t.shape, getattr(torch, t.dtype), pinned=True))
+            carry = self._act_unit(name).carry_in
+            pinned = not staged([t.nbytes for t in carry])  # a long one crosses through the staging buffers
+            for j, t in enumerate(carry):
+                out.append(HostBuffer(f"host:{name}.{j}", "checkpoints", t.shape, getattr(torch, t.dtype),
+                                      pinned=pinned))
+        if self._staged():
+            out += [HostBuffer(f"ckstage.{stream}.{k}", "checkpoint_staging", (STAGING_BYTES,), torch.uint8,
+                               pinned=True) for stream in ("d2h", "h2d") for k in range(2)]
         return out
+
+    def _staged(self) -> bool:
+        return any(staged([t.nbytes for t in self._act_unit(n).carry_in]) for n in self._offloaded())
 
     def host_bytes(self) -> int:
         """Every host byte this store allocated (HostArena.allocated_bytes)."""
@@ -300,7 +311,8 @@ class HostStore:
         return st.grad
 
     def host_act(self, buffer: str) -> tuple[torch.Tensor, ...]:
-        """The pinned host copy of an offloaded checkpoint (one tensor per carry tensor)."""
+        """The host copy of an offloaded checkpoint (one tensor per carry tensor): pinned, or pageable when it
+        crosses through `checkpoint_staging` (host_policy.staged)."""
         return self.host_acts[buffer]
 
     # -- the step ----------------------------------------------------------------------------------------------

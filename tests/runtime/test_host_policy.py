@@ -39,7 +39,7 @@ def test_streamed_equals_eager_under_each_policy(policy, grad_accum, clip):
     batches = make_batches(TINY, train, steps=3)
     model, eager_losses = eager_train(TINY, batches, train, host_policy=policy)
     exact, _ = eager_train(TINY, batches, train)
-    plans = plans_by_shape(TINY, train, budgets_mib=(5, 6, 8, 64), host_policy=policy)
+    plans = plans_by_shape(TINY, train, budgets_mib=(4, 5, 6, 8, 64), host_policy=policy)
     assert {n for n, _ in plans} >= {1, 2} and all(p.host_policy == policy for p in plans.values())
     for p in plans.values():
         store, losses, _ = streamed_train(p, batches)
