@@ -31,7 +31,7 @@ def streamed(comm, config: dict, train: dict, budget: int, batches, policy: str 
                 "losses": losses, "host_bytes": store.host_bytes(), "plan_host_bytes": p.host_bytes_per_rank,
                 "peak": dev.pool.peak, "plan_peak": p.peak_buffer_bytes, "n_slots": p.n_slots,
                 "placements": sorted(set(p.placement.values())),
-                "collectives": sorted({i.op for i in p.program.instrs if i.stream == "comm"})}
+                "collectives": sorted({i.op for i in p.program.instrs if i.stream == "comm"} - {"record", "wait"})}
 
 
 def config_of(**changes) -> dict:
@@ -44,3 +44,18 @@ def global_batches(config: dict, train: dict, steps: int, seed: int = 0):
     from runtime_schedules import make_batches
 
     return make_batches(ModelConfig.model_validate(config), TrainSpec.model_validate(train), steps, seed)
+
+
+def resume_and_train(comm, data: str, ckpt: str, steps: int = 4) -> dict:
+    """Resume the CLI run of test_distributed's checkpoint test from `ckpt` on this world: the weights it
+    resumed with, and those after training to `steps` (checkpointing into `ckpt` as it goes)."""
+    from megatrain.runtime.trainer import Trainer
+
+    train = TrainSpec(micro_batch=1, seq_len=32, grad_accum=6, dtype="fp32", lr=3e-3, warmup_steps=1,
+                      total_steps=steps, clip_norm=1.0)
+    with Trainer("tiny", train, 8 * 2**20, hardware="cpu", device="sim", data=data, checkpoint_dir=ckpt,
+                 checkpoint_every=2, resume=ckpt, comm=comm) as trainer:
+        resumed = {k: v.clone() for k, v in trainer.store.full_master().items()}
+        trainer.run(steps - trainer.step, progress=False, handle_signals=False)
+        trained = {k: v.clone() for k, v in trainer.store.full_master().items()}
+    return {"resumed": resumed, "trained": trained}
