@@ -29,9 +29,9 @@ from collections import defaultdict
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Instr, Program
 
+from .collectives import check_collectives
 from .errors import ScheduleError
 from .hardware import Hardware
-from .collectives import check_collectives
 from .sync import STREAMS, tied_owners
 from .timeline import program_timeline
 
