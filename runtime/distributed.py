@@ -128,6 +128,9 @@ class Communicator:
         if missing:
             raise ValueError(f"WORLD_SIZE={size} but {', '.join(missing)} not set: launch with torchrun "
                              "--nproc-per-node R -m megatrain train ...")
+        if env["MASTER_PORT"].strip() == "0":  # torchrun --master-port 0 hands its workers port 0, not the port
+            raise ValueError("MASTER_PORT=0: torchrun --master-port 0 passes port 0 to its workers, which then cannot "
+                             "find the rendezvous store; give --master-port a free port (or leave the default)")
         try:
             return cls(rank=int(env["RANK"]), size=size, addr=env["MASTER_ADDR"], port=int(env["MASTER_PORT"]),
                        device=device, local_rank=int(env.get("LOCAL_RANK", env["RANK"])),

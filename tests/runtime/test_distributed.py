@@ -298,3 +298,14 @@ def test_sharded_checkpoints_resume_at_the_same_and_another_world_size(tmp_path)
     got = one.named_master()
     for name, t in _masters(three).items():
         assert torch.equal(got[name], t.view(got[name].shape)), name
+
+
+def test_torchrun_port_zero_is_refused_in_one_line(monkeypatch):
+    """torchrun --master-port 0 hands its workers MASTER_PORT=0: refused at once rather than a join that waits
+    for the whole --dist-timeout."""
+    from megatrain.runtime.distributed import Communicator
+
+    for k, v in rank_env(0, 2, 0).items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ValueError, match="MASTER_PORT=0: torchrun --master-port 0"):
+        Communicator.from_env("sim", timeout_s=5)
