@@ -174,6 +174,27 @@ def test_a_killed_rank_stops_the_others_within_the_timeout(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_hung_rank_is_named_when_the_collective_times_out(tmp_path):
+    """Rank 1 hangs inside its host optimizer, alive (its heartbeat goes on): rank 0's collective times out
+    after --dist-timeout and it stops with one line naming rank 1 as the one that never arrived; rank 1, left
+    alone, stops too (its watchdog finds rank 0 gone) instead of sleeping on."""
+    procs = _ranks(_train_argv(tmp_path, "--dist-timeout", "8"), tmp_path, pause_rank1="optimizer:2")
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [2, 2], outs[0][1][-3000:]
+    (line,) = _errors(outs[0][1])
+    assert "rank 1 did not reach a collective within 8 s" in line and "rank 0 stops" in line, line
+    assert "Traceback" not in outs[0][1]
+    (theirs,) = _errors(outs[1][1])
+    assert "rank 1 stops" in theirs, theirs
+
+
+@pytest.mark.slow
 def test_a_rank_killed_while_saving_loses_no_checkpoint(tmp_path):
     """Rank 1 is SIGKILLed after writing the first file of the step-4 checkpoint: rank 0 stops with one line
     naming rank 1; the step-2 checkpoint is whole, no step-4 folder (nor a half-written one) is visible, and a
