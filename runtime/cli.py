@@ -235,6 +235,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> int:
+    from .distributed import UNVERIFIED_NCCL
     from .runfile import effective_settings
     from .trainer import Preempted, Trainer
 
@@ -284,6 +285,8 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
             say(f"{p.world}: each streams the model on its {p.program.n_micro_batches} of the step's "
                 f"{p.train.grad_accum} micro-batch(es) and holds 1/{comm.size} of the model state (host "
                 f"{format_bytes(p.host_bytes)} per rank, {format_bytes(p.host_bytes_per_node)} per node)")
+            if comm.backend == "nccl":
+                say(f"note: {UNVERIFIED_NCCL}")
         say(f"{p.ir.model}: {p.ir.params_total:,} params streamed through a {trainer.device.kind} device with "
               f"a {format_bytes(budget)} budget ({p.n_slots} parameter slot(s); planned device peak "
               f"{format_bytes(trainer.planned_peak_device_bytes)}; host {format_bytes(trainer.store.host_bytes())} "

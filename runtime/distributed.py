@@ -5,6 +5,8 @@ Where it sits: `megatrain train` under torchrun (`torchrun --nproc-per-node R -m
 engine runs the Program's collectives through it on the `comm` stream (runtime/engine.py), and the sharded
 host store all-reduces the clip norm through it on the `host` stream (runtime/sharded_store.py). Nothing here
 is a transport of our own: NCCL on CUDA, gloo on the CPU (the sim device's "device tensors" are CPU tensors).
+Verified: gloo on sim, one node, 2-4 ranks (tests/runtime/test_distributed.py). Not verified: NCCL on GPUs and
+more than one node (UNVERIFIED_NCCL; the CLI says so when it runs NCCL).
 Try it: `torchrun --nproc-per-node 2 -m megatrain train --model tiny --device sim --gpu-mem 6MiB --seq-len 64
 --grad-accum 2 --steps 4` (or `tests/runtime/test_distributed.py`).
 
@@ -43,6 +45,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 600.0
+UNVERIFIED_NCCL = ("data parallelism over NCCL on CUDA has not been run on GPUs by megatrain's tests yet (they run "
+                   "gloo on the sim device; tests/runtime/test_distributed.py -m cuda is the GPU check): compare a "
+                   "few steps against one GPU before relying on it")
 EXIT_CODE = 2
 GROUPS = ("comm", "host", "main")
 

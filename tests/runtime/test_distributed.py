@@ -330,3 +330,23 @@ def test_torchrun_port_zero_is_refused_in_one_line(monkeypatch):
         monkeypatch.setenv(k, v)
     with pytest.raises(ValueError, match="MASTER_PORT=0: torchrun --master-port 0"):
         Communicator.from_env("sim", timeout_s=5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_two_gpus_over_nccl_train_as_two_sim_ranks_over_gloo(tmp_path):
+    """The NCCL path (not run by CI: no GPUs there): 2 GPUs under torchrun train the fp32 tiny model to the
+    losses 2 sim ranks over gloo reach, to fp32 round-off of the GPUs' kernels."""
+    from runtime_schedules import make_token_files
+
+    data = make_token_files(tmp_path)[0]
+    losses = {}
+    for device, gpu_mem in (("sim", "8MiB"), ("cuda", "1GiB")):
+        metrics = tmp_path / f"{device}.jsonl"
+        argv = _ckpt_argv(data, tmp_path / f"ckpt-{device}")
+        argv[argv.index("--device") + 1], argv[argv.index("--gpu-mem") + 1] = device, gpu_mem
+        out = _torchrun(2, [*argv, "--metrics", str(metrics)], tmp_path)
+        assert device != "cuda" or "NCCL on CUDA has not been run" in out
+        losses[device] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()
+                          if '"loss"' in line]
+    assert losses["cuda"] == pytest.approx(losses["sim"], rel=1e-4)
