@@ -178,3 +178,30 @@ def test_one_rank_plans_are_unchanged_by_the_world():
     a, b = plan(IR, HW, TRAIN, "8GiB"), plan(IR, HW, TRAIN, "8GiB", world=World(nproc=1))
     assert a.program == b.program and a.host_bytes == b.host_bytes and a.host_bytes_per_rank == (a.host_bytes,)
     assert math.isclose(a.step_time_s, b.step_time_s)
+
+
+def test_plan_cli_prints_the_world_and_its_scaling(capsys):
+    """`megatrain plan --nproc 4`: one rank's plan, per-rank and per-node host bytes, the scaling table; --json
+    holds the same; a --grad-accum the ranks do not split is refused in one line, and so is `train --nproc 2`
+    outside torchrun."""
+    import json
+
+    from megatrain.cli import main
+
+    argv = ["plan", "--model", "tiny", "--hardware", "cpu", "--seq-len", "64", "--micro-batch", "2", "--gpu-mem",
+            "6MiB", "--grad-accum", "4", "--nproc", "4"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "world 4 rank(s) on 1 node" in out and "predicted scaling" in out and "host/rank" in out
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert len(d["world"]["host_bytes_per_rank"]) == 4 and d["host_bytes"] == max(d["world"]["host_bytes_per_rank"])
+    assert sum(d["world"]["host_bytes_per_rank"]) <= d["world"]["host_bytes_per_node"]
+    assert [r["nproc"] for r in d["scaling"]] == [1, 2, 4]
+    assert main([*argv[:-3], "3", "--nproc", "2"]) == 2
+    assert "--grad-accum 3 is not a multiple of --nproc 2" in capsys.readouterr().err
+    train = ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "64", "--steps", "1",
+             "--nproc", "2"]
+    assert main(train) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "launch them with torchrun" in line
