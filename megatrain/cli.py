@@ -120,7 +120,9 @@ def _is_user_error(e: BaseException) -> bool:
     running out of device memory under a budget that is too small."""
     device = sys.modules.get("megatrain.runtime.device")
     device_errors = (device.DeviceError, device.DeviceOutOfMemory) if device else ()
-    return isinstance(e, (ValueError, OSError, *device_errors))
+    dist = sys.modules.get("megatrain.runtime.distributed")
+    peer_errors = (dist.PeerFailure,) if dist else ()  # another rank failed: this one names it and stops
+    return isinstance(e, (ValueError, OSError, *device_errors, *peer_errors))
 
 
 def _run_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

@@ -61,6 +61,7 @@ class CostModel:
         rates = hw.host_optimizer_bytes_per_s  # a clipped step's measured rate when the profile has one
         rate = rates.get(f"{self.policy.name}+clip" if clip else self.policy.name) or rates.get(
             self.policy.name, hw.host_memory_bytes_per_s)
+        self.opt_rate = rate
         self.opt = [u.n_params * per_param / rate for u in ir.units]
         self.clip = len(ir.units) * 1e-6
 

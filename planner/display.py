@@ -54,6 +54,7 @@ def summary_lines(p: Plan) -> list[str]:
         f"      host policy {p.host_policy_reason or p.host_policy}",
         f"step  {p.step_time_s:.4g} s, {p.tokens_per_s:,.0f} tokens/s, {p.model_tflops:.4g} model TFLOP/s, "
         f"MFU {p.mfu:.1%}; bottleneck {p.bottleneck} ({p.bottleneck_share:.0%} of the critical path)",
+        *_world_lines(p),
         f"slots {p.n_slots} x {format_bytes(p.slot_bytes)} (prefetch distance {p.prefetch_distance}), "
         f"{p.n_grad_slots} gradient slot(s) x {format_bytes(p.grad_slot_bytes)}; checkpoints {counts['device']} "
         f"device, {counts['host']} host, {counts['keep']} keep"
@@ -75,6 +76,19 @@ def tiling_lines(p: Plan) -> list[str]:
         out.append(f"trace at {ir.traced_seq_len:,} tokens, scaled to {ir.seq_len:,}: bytes and FLOPs exact, "
                    "op counts (dispatch overhead) extrapolated")
     return out
+
+
+def _world_lines(p: Plan) -> list[str]:
+    """A data-parallel plan's world: per-rank and per-node host bytes, the collectives' time."""
+    if p.world.nproc == 1:
+        return []
+    shares = p.host_bytes_per_rank
+    on_path = p.critical_path_s.get("collectives", 0.0)
+    return [f"world {p.world}: this is one rank's step ({p.program.n_micro_batches} of the {p.train.grad_accum} "
+            f"micro-batch(es)); host per rank {format_bytes(min(shares))}..{format_bytes(max(shares))} (1/"
+            f"{p.world.nproc} of the state + staging), per node {format_bytes(p.host_bytes_per_node)}",
+            f"      collectives {p.collectives_s * 1e3:.4g} ms per step on the comm stream, "
+            f"{on_path / p.step_time_s:.0%} of the critical path; tokens/s counts every rank's"]
 
 
 def unit_groups(p: Plan) -> list[tuple[str, list]]:

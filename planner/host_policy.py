@@ -40,7 +40,7 @@ and whose measured cost is at most QUALITY_TOLERANCE; a policy not measured is n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from megatrain.ir.base import dtype_bytes
@@ -218,9 +218,11 @@ def _cost(p: HostPolicy) -> str:
     return "not measured" if p.quality_cost is None else f"quality cost {p.quality_cost:+.2%}"
 
 
-def choose(ir: ModelIR, host_memory_bytes: int, clip: bool, request: str = "auto") -> Choice:
-    """The host policy for `ir` with `host_memory_bytes`: `request` by name, or auto's choice."""
-    floors = {name: floor_bytes(ir, p, clip) for name, p in POLICIES.items()}
+def choose(ir: ModelIR, host_memory_bytes: int, clip: bool, request: str = "auto",
+           floor: Callable[[HostPolicy], int] | None = None) -> Choice:
+    """The host policy for `ir` with `host_memory_bytes`: `request` by name, or auto's choice. `floor(policy)`
+    replaces floor_bytes (a rank of a world: its share of the state, planner/world.py)."""
+    floors = {name: floor(p) if floor else floor_bytes(ir, p, clip) for name, p in POLICIES.items()}
     params = max(1, ir.params_total)
     lines = []
     for name, p in POLICIES.items():

@@ -5,9 +5,10 @@ Where it sits: the bottom of the runtime. The engine (runtime/engine.py) walks a
 the streams only through events, exactly the semantics of ir/README.md. The same program runs on both kinds.
 Run its tests: `.venv/bin/pytest tests/runtime/test_device.py` (the CUDA ones: `make test-cuda`).
 
-- Streams: `compute`, `h2d`, `d2h`, `host`. Each has one worker thread with a FIFO queue. On `sim` the worker
-  runs the work; on `cuda` the workers of the three GPU streams *issue* work on their torch.cuda.Stream (so a
-  GPU stream that waits on a host event blocks only its own issuing), and `host` runs Python on a thread.
+- Streams: `compute`, `h2d`, `d2h`, `host`, `comm` (collectives, idle on one rank). Each has one worker
+  thread with a FIFO queue. On `sim` the worker runs the work; on `cuda` the workers of the four GPU streams
+  *issue* work on their torch.cuda.Stream (so a GPU stream that waits on a host event blocks only its own
+  issuing; NCCL orders its collectives after the comm stream's work), and `host` runs Python on a thread.
 - Events are keyed `(name, step)`. A stream records an event each step; `wait(name, s)` is satisfied once the
   record of step `s` (or a later one: a stream records in step order) has run. Cross-step waits (ir/README.md)
   wait on `step - 1`; a wait on a step before the device's first step is a no-op. The first step is the step
@@ -31,8 +32,8 @@ from collections.abc import Callable
 
 import torch
 
-STREAMS = ("compute", "h2d", "d2h", "host")
-GPU_STREAMS = ("compute", "h2d", "d2h")
+STREAMS = ("compute", "h2d", "d2h", "host", "comm")
+GPU_STREAMS = ("compute", "h2d", "d2h", "comm")  # comm: a world program's collectives (runtime/distributed.py)
 
 # Queue items: (kind, payload...). MARK items are processed even after a failure, so synchronize() returns.
 _OP, _RECORD, _WAIT, _MARK, _STOP = "op", "record", "wait", "mark", "stop"

@@ -20,6 +20,13 @@ weights; every unit runs in a routing step context. A forward instruction record
 statistics in a RoutingLog per (unit, micro-batch); a backward's recompute routes the same way (the buffers
 change only at the optimizer step) and records nothing. store_grads hands the unit's logs to the host store
 with its gradients, and the store's optimizer step updates the buffers from them.
+
+A world program (`program.world_size` R > 1, planner/world.py) runs with a Communicator (distributed.py): `begin`
+takes the global step's micro-batches and keeps this rank's group (the 1/tokens scale counts every rank's
+tokens), `end` sums the loss across ranks, `load_params(shard=True)` / `store_grads(shard=True)` move this
+rank's shard (elements [r S, (r+1) S) of the padded flat buffer; S is the shard the store holds), and
+`all_gather`, `reduce_scatter`, `all_reduce` run on the comm stream; the gradient collectives also write the
+norms of what the rank keeps and gather every rank's routing records, which store_grads then hands over.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from megatrain.models.binding import buffer_views, slot_buffers
 from megatrain.models.loss import IGNORE_INDEX
 
 from .device import Device
+from .distributed import local_batch
 from .staging import Staging
 from .store import HostStore
 
@@ -52,9 +60,15 @@ from .store import HostStore
 class Engine:
     """The `rt` of a generated step program."""
 
-    def __init__(self, ir: ModelIR, program: Program, device: Device, store: HostStore, loss_chunk: int = 1024):
+    def __init__(self, ir: ModelIR, program: Program, device: Device, store: HostStore, loss_chunk: int = 1024,
+                 comm=None):
         if store.program is not program:
             raise ValueError("the host store was built for another program: HostStore(..., program=program)")
+        if program.world_size != (comm.size if comm is not None else 1):
+            raise ValueError(f"the step program is one rank's of {program.world_size}, but this engine runs on "
+                             f"{comm.size if comm is not None else 1} rank(s): launch one process per rank "
+                             "(torchrun --nproc-per-node) and pass the Communicator")
+        self.comm, self.rank = comm, comm.rank if comm is not None else 0
         self.ir, self.program, self.device, self.store = ir, program, device, store
         self.config = ModelConfig.model_validate(ir.config)
         self.dtype = DTYPES[ir.dtype]
@@ -69,6 +83,8 @@ class Engine:
         self.losses: list[torch.Tensor] = []
         self.n_tokens = 0
         self.routing_logs: dict[str, dict[int, routing.RoutingLog]] = {}  # this step's, by unit and micro-batch
+        self.gathered_routing: dict[str, list] = {}  # every rank's records of a unit, global order (a world)
+        self.gathered = frozenset(i.unit for i in program.instrs if i.op == "all_gather")  # its sharded units
         self.timeline: list[tuple] | None = None  # (stream, label, start, end, pool bytes) when tracing
         self.staging = Staging(device, STAGING_BYTES, store.checkpoint_staging)  # long checkpoints' copies
         self._allocate_static()
@@ -92,7 +108,7 @@ class Engine:
     def begin(self, batch: list[tuple[torch.Tensor, ...]], lr: float) -> None:
         """Place the step's micro-batches on the device; the head scales gradients by 1/tokens. A micro-batch
         is (tokens, targets), or (tokens, targets, positions) when it packs several documents per row."""
-        if len(batch) != self.program.n_micro_batches:
+        if len(batch) != self.program.n_micro_batches * self.program.world_size:
             raise ValueError(f"the step program takes {self.program.n_micro_batches} micro-batches, got {len(batch)}")
         packed = {len(mb) == 3 for mb in batch}
         if packed != {self.ir.packed}:
@@ -100,11 +116,13 @@ class Engine:
                              f"micro-batches, got {'a mix' if len(packed) > 1 else 'packed' if True in packed else 'unpacked'}"
                              " ones; trace with packed= matching the data")
         self.lr = lr
-        self.n_tokens = int(sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in batch))
+        self.n_tokens = int(sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in batch))  # the global step's
+        if self.comm is not None:
+            batch = local_batch(batch, self.program.n_micro_batches, self.rank, self.comm.size)
         if self.n_tokens == 0:
             raise ValueError("every target of this step is ignored (-100): nothing to train on")
         self.losses = [torch.zeros((), dtype=torch.float32)] * len(batch)
-        self.routing_logs = {}
+        self.routing_logs, self.gathered_routing = {}, {}
         segments = [packing(mb[2]) if len(mb) == 3 else {} for mb in batch]  # on the host: no device sync later
 
         def place():  # on the compute stream, so the copies are ordered before the step's first use
@@ -120,10 +138,14 @@ class Engine:
         """Wait for this step's compute (not its host optimizer) and return the mean token loss."""
         self.device.synchronize("compute")
         self.step_index += 1
-        return float(sum(float(x) for x in self.losses)) / self.n_tokens
+        total = float(sum(float(x) for x in self.losses))
+        if self.comm is not None:
+            total = self.comm.sum([total], what="the step's loss")[0]
+        return total / self.n_tokens
 
     def routing_metrics(self) -> dict:
-        """The last step's routing metrics (routing.summarize); {} for a model without MoE layers."""
+        """The last step's routing metrics (routing.summarize); {} for a model without MoE layers. In a world:
+        this rank's micro-batches (the buffers' update reads every rank's)."""
         moe = self.config.moe
         if moe is None:
             return {}
@@ -141,11 +163,13 @@ class Engine:
 
         self._submit("compute", i, f"alloc({buffer})", run)
 
-    def load_params(self, i: int, unit: str, slot: int) -> None:
+    def load_params(self, i: int, unit: str, slot: int, shard: bool = False) -> None:
         u, st = self.units[unit], self.store.units[unit]
+        n = st.unit.flat_numel  # the store's: the rank's shard with `shard`
+        lo = self.rank * n if shard else 0
 
         def run():
-            self.store.load_params(unit, self.bufs[f"slot{slot}"][: u.flat_numel], self.device)
+            self.store.load_params(unit, self.bufs[f"slot{slot}"][lo : lo + n], self.device)
             if u.buffers:
                 self.device.copy(slot_buffers(self.bufs[f"slot{slot}"], u, self.ir.dtype), st.buffers)
 
@@ -235,18 +259,65 @@ class Engine:
 
         self._submit("h2d", i, f"load_act({buffer})", run)
 
-    def store_grads(self, i: int, unit: str, grad_slot: int, host_grad: int = 0) -> None:
-        u, st, logs = self.units[unit], self.store.units[unit], self.routing_logs
+    def store_grads(self, i: int, unit: str, grad_slot: int, host_grad: int = 0, shard: bool = False) -> None:
+        u, st, logs, gathered = self.units[unit], self.store.units[unit], self.routing_logs, self.gathered_routing
+        n = st.unit.flat_numel  # the store's: the rank's shard with `shard`
+        lo = self.rank * n if shard else 0
 
         def run():
             flat = self.bufs[f"grad{grad_slot}"]
-            self.device.copy(self.store.grad_target(unit, host_grad), flat[: u.flat_numel])  # in the policy's dtype
-            self.device.copy(st.norms, flat[u.flat_numel : u.flat_numel + len(u.params)])
+            self.device.copy(self.store.grad_target(unit, host_grad), flat[lo : lo + n])  # in the policy's dtype
+            self.device.copy(st.norms, flat[u.flat_numel : u.flat_numel + len(st.norms)])
             if u.buffers:  # the statistics its buffers' update needs travel with the gradients
-                by_mb = logs.get(unit, {})
-                self.store.put_routing(unit, [by_mb[mb].to_host() for mb in sorted(by_mb)])
+                if unit in gathered:
+                    self.store.put_routing(unit, [[{k: v.to("cpu") for k, v in r.items()} for r in mb]
+                                                  for mb in gathered[unit]])
+                else:
+                    by_mb = logs.get(unit, {})
+                    self.store.put_routing(unit, [by_mb[mb].to_host() for mb in sorted(by_mb)])
 
-        self._submit("d2h", i, f"store_grads({unit}, grad_slot={grad_slot}, host_grad={host_grad})", run)
+        self._submit("d2h", i, f"store_grads({unit}, grad_slot={grad_slot}, host_grad={host_grad}"
+                     f"{', shard=True' if shard else ''})", run)
+
+    def all_gather(self, i: int, unit: str, slot: int) -> None:
+        u = self.units[unit]
+
+        def run():
+            self.comm.all_gather_shards(self.bufs[f"slot{slot}"][: u.flat_numel], f"all_gather({unit})")
+
+        self._submit("comm", i, f"all_gather({unit}, slot={slot})", run)
+
+    def reduce_scatter(self, i: int, unit: str, grad_slot: int) -> None:
+        u, st, logs, gathered = self.units[unit], self.store.units[unit], self.routing_logs, self.gathered_routing
+
+        def run():
+            flat = self.bufs[f"grad{grad_slot}"]
+            self.comm.reduce_scatter_shards(flat[: u.flat_numel], f"reduce_scatter({unit})")
+            lo = self.rank * st.unit.flat_numel
+            pieces = [flat[lo + p.offset : lo + p.offset + p.numel] for p in st.unit.params]  # the shard's slices
+            if pieces:  # their L2 norms, as _write_norms takes a whole unit's
+                torch.stack(torch._foreach_norm(pieces, 2.0), out=flat[u.flat_numel : u.flat_numel + len(pieces)])
+            self._gather_routing(u, logs, gathered)
+
+        self._submit("comm", i, f"reduce_scatter({unit}, grad_slot={grad_slot})", run)
+
+    def all_reduce(self, i: int, unit: str, grad_slot: int) -> None:
+        u, logs, gathered = self.units[unit], self.routing_logs, self.gathered_routing
+
+        def run():
+            self.comm.all_reduce(self.bufs[f"grad{grad_slot}"][: u.flat_numel], f"all_reduce({unit})")
+            self._write_norms(u, grad_slot)
+            self._gather_routing(u, logs, gathered)
+
+        self._submit("comm", i, f"all_reduce({unit}, grad_slot={grad_slot})", run)
+
+    def _gather_routing(self, u: UnitIR, logs: dict, gathered: dict) -> None:
+        """Every rank's routing records of `u` into `gathered` (its forwards are done: its backward preceded
+        this). NOTE: `logs` and `gathered` are the step's, bound when the op was issued: the next begin()
+        replaces them while this stream may still be behind."""
+        if u.buffers:
+            by_mb = logs.get(u.name, {})
+            gathered[u.name] = self.comm.gather_records([by_mb[mb].records for mb in sorted(by_mb)])
 
     def clip_grads(self, i: int) -> None:
         # NOTE: bind this step's losses list and index now: the next begin() replaces them while the host
@@ -391,7 +462,9 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
     """Mean token loss of `batches` under the current weights: a forward-only pass, unit-major so each
     unit's weights cross the link once, through slot 0. Runs synchronously after the step's streams drain;
     its carries are accounted in the device pool like the step's. Units run in eval mode: MoE routing takes
-    its inference rule (ET: the pure threshold test)."""
+    its inference rule (ET: the pure threshold test). In a world every rank calls it with the same batches:
+    each evaluates every R-th one, a sharded unit's slot is completed by an all_gather (the comm stream is
+    drained, so the caller may use its group), and the loss is summed across ranks."""
     dev = engine.device
     dev.synchronize()
     for template in engine.templates.values():
@@ -412,6 +485,9 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
     dev = engine.device
     slot = engine.bufs["slot0"]
     staged = []
+    comm = engine.comm
+    if comm is not None:
+        batches = batches[comm.rank :: comm.size]
     for mb in batches:  # (tokens, targets) or (tokens, targets, positions)
         packed = packing(mb[2], dev.torch_device) if len(mb) == 3 else {}
         staged.append((mb[0].to(dev.torch_device, non_blocking=True), mb[1].to(dev.torch_device, non_blocking=True),
@@ -422,7 +498,12 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
     total = torch.zeros((), dtype=torch.float32, device=dev.torch_device)
     with torch.no_grad():
         for u in engine.ir.units:
-            engine.store.load_params(u.name, slot[: u.flat_numel], dev)
+            if u.name in engine.gathered:
+                n = engine.store.units[u.name].unit.flat_numel
+                engine.store.load_params(u.name, slot[comm.rank * n : (comm.rank + 1) * n], dev)
+                comm.all_gather_shards(slot[: u.flat_numel], f"evaluation all_gather({u.name})")
+            else:
+                engine.store.load_params(u.name, slot[: u.flat_numel], dev)
             if u.buffers:
                 slot_buffers(slot, u, engine.ir.dtype).copy_(engine.store.units[u.name].buffers)
             params, buffers = views(slot, u.params), engine._buffers(u, 0)
@@ -438,4 +519,7 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
                 else:
                     dev.pool.alloc(f"eval.{b}", _nbytes(out))
                     carries[b] = out
-    return float(total) / max(n_tokens, 1)
+    total = float(total)  # the one read of the device's sum
+    if comm is not None:
+        total, n_tokens = comm.sum([total, float(n_tokens)], what="the evaluation loss")
+    return total / max(n_tokens, 1)

@@ -123,7 +123,7 @@ class HostStore:
         self.compute_dtype = TRACE_DTYPES[ir.dtype]
         self.arena = HostArena(device)
         self._assignment = self._grad_assignment(program)
-        bufs = self.arena.allocate(self._buffers())
+        bufs = self._bufs = self.arena.allocate(self._buffers())
         offsets = [0]
         for u in ir.units:
             offsets.append(offsets[-1] + len(u.params))
@@ -364,22 +364,33 @@ class HostStore:
         The barrier of a step: every gradient has landed. With `check_finite`, a non-finite norm (or loss)
         marks the whole step faulty before any unit steps."""
         self._merge_tied_grads()
-        norms = [n for st in self.units.values() for n in self._norms(st)]
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        total = self._global_norm([n for st in self.units.values() for n in self._norms(st)])
         self.last_grad_norm = float(total)
         self.clip_coef = clip_coefficient(total, self.optim.clip_norm) if self.optim.clip_norm else None
         if self.check_finite:
             self._barrier_step = step
             bad = [float(x) for x in losses or () if not math.isfinite(float(x))]
+            fault = None
             if bad:
-                self._fault(step, f"the loss is {bad[0]}")
+                fault = f"the loss is {bad[0]}"
             elif not math.isfinite(self.last_grad_norm):
                 # NOTE: a norm that overflows fp32 (gradients near 1e19) counts as a fault too
-                self._fault(step, f"the gradients are not finite (global norm {self.last_grad_norm})")
+                fault = f"the gradients are not finite (global norm {self.last_grad_norm})"
             elif lr is not None:  # a barrier decides for every unit, before any of them changes
                 risky = next((u for u in self.units if self._would_overflow(self.units[u], lr)), None)
                 if risky is not None:
-                    self._fault(step, self._overflow_message(risky, lr))
+                    fault = self._overflow_message(risky, lr)
+            fault = self._agree(fault)
+            if fault is not None:
+                self._fault(step, fault)
+
+    def _global_norm(self, norms: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of the per-parameter norms, as clip_grad_norm_ takes it (a sharded store: of every rank's)."""
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def _agree(self, fault: str | None) -> str | None:
+        """The step's verdict at the barrier: this store's (a sharded store: the first rank's that found one)."""
+        return fault
 
     def step_unit(self, unit: str, lr: float, step: int = -1, host_grad: int | None = None) -> None:
         """AdamW under the policy on one unit's masters (host_state.adamw_step), then its buffers' update

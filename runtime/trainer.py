@@ -19,6 +19,13 @@ validation loss); MoE models add the step's routing metrics (models/routing.py `
 (per MoE block: per-expert load fractions, experts per token, zero-expert share, capacity drop and pad
 rates, max/mean load, aux loss) and their averages over blocks as `moe_*`.
 
+Data parallelism (`comm`, a distributed.Communicator: under torchrun every rank builds its own Trainer): the
+plan is one rank's step of the world (planner/world.py), the host store the rank's shard (sharded_store.py),
+each step's batch the global step's (every rank draws the same `batch(step)` and runs its group of it),
+checkpoints sharded with one manifest (sharded_checkpoint.py), resumable at any world size. Rank 0 alone
+writes metrics, shows progress and holds the checkpoint folder's lock; a stop signal on any rank stops every
+rank after the same step.
+
 Test hook: MEGATRAIN_TEST_PAUSE_AT=optimizer:K pauses the host optimizer after the first unit of step K
 (1-based) has stepped, and =checkpoint:K pauses the save of checkpoint K after its first file; either prints
 `megatrain-test: paused at ...` to stderr and sleeps, so tests/runtime/test_resume_kill.py can SIGKILL there.
@@ -136,13 +143,14 @@ class Trainer:
                  loss_chunk: int = 1024, the_plan: Plan | None = None, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int | None = 3, resume: str | Path | None = None,
                  on_nan: str = "abort", settings: dict | None = None, pack: bool | None = None,
-                 allow_data_change: bool = False, host_policy: str = "auto"):
+                 allow_data_change: bool = False, host_policy: str = "auto", comm=None):
         if on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
         if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
             raise ValueError("checkpoint_every must be >= 0 and needs a checkpoint_dir")
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 (or None: keep all), got {keep_checkpoints}")
+        self.comm, self.rank = comm, comm.rank if comm is not None else 0
         self.config = load_model_config(model)
         # A Hugging Face model folder: training starts from its weights (fresh optimizer state), and its
         # config and tokenizer files travel in every checkpoint so export can write a complete folder.
@@ -171,7 +179,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
-        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.metrics_path = Path(metrics_path) if metrics_path and self.rank == 0 else None
         self.step = 0
         self.events: list[dict] = []  # skipped steps under on_nan="skip"
         self.plan_changed = False  # resumed under a different program (fine: the math does not depend on it)
@@ -179,7 +187,8 @@ class Trainer:
         self._pause = _pause_point()
         self.device: Device | None = None
         # one run writes into a checkpoint folder at a time: its lock is held until close()
-        self._lock = checkpoint.FolderLock(checkpoint_dir).acquire() if checkpoint_dir and checkpoint_every else None
+        self._lock = (checkpoint.FolderLock(checkpoint_dir).acquire()
+                      if checkpoint_dir and checkpoint_every and self.rank == 0 else None)
         try:
             manifest = self._check_resume(resume) if resume is not None else None
             if manifest is not None:  # auto resumes under the checkpoint's host policy; another one is refused
@@ -190,6 +199,8 @@ class Trainer:
             self.last_checkpoint: Path | None = self.resumed_from
             self.weights = check_weights(self.model_dir, self.config) if self.model_dir and manifest is None else None
             kw = {"delays": delays} if delays and device == "sim" else {}
+            if comm is not None and device == "cuda":
+                kw["index"] = comm.local_rank
             self.device = make_device(device, budget_bytes=gpu_budget_bytes, **kw)
             self._build(the_plan, gpu_budget_bytes, loss_chunk, resume is None and self.weights is None)
             if self.weights is not None:
@@ -230,7 +241,7 @@ class Trainer:
             # NOTE: clip_norm here only shapes the program (a clip_grads barrier before the host optimizer);
             # the store clips with self.train, i.e. not at all, and the plan records self.train.
             the_plan = plan(ir, self.hardware, train.replace(clip_norm=1.0) if barrier else train, budget,
-                            host_policy=self.host_policy)
+                            host_policy=self.host_policy, world=self._world())
             the_plan = the_plan.replace(train=train) if barrier else the_plan
         if self.on_nan == "skip" and not any(i.op == "clip_grads" for i in the_plan.program.instrs):
             raise ValueError("on_nan='skip' needs a program with a clip_grads barrier (a step is skipped whole); "
@@ -239,19 +250,41 @@ class Trainer:
         self.source = emit(self.plan)
         self.program = load(self.source)
         self._check_host_memory()
-        self.store = HostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
-                               program=self.plan.program, device=self.device.kind, init=init)
+        if self.comm is None:
+            self.store = HostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
+                                   program=self.plan.program, device=self.device.kind, init=init)
+        else:  # every rank checked its host memory and planned the same step before anyone allocates
+            hashes = self.comm.gather_objects(self.plan_sha256, what="the ranks' plans")
+            if len(set(hashes)) > 1:
+                other = next(r for r, h in enumerate(hashes) if h != hashes[0])
+                raise ValueError(f"rank {other} planned another step program than rank 0: give every rank the same "
+                                 "flags, model, hardware profile and megatrain version")
+            from .sharded_store import ShardedHostStore
+
+            self.store = ShardedHostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
+                                          program=self.plan.program, comm=self.comm, device=self.device.kind,
+                                          init=init)
         self.store.check_finite = True
         self.store.stop_on_fault = self.on_nan == "abort"
-        self.engine = Engine(self.plan.ir, self.plan.program, self.device, self.store, loss_chunk=loss_chunk)
+        self.engine = Engine(self.plan.ir, self.plan.program, self.device, self.store, loss_chunk=loss_chunk,
+                             comm=self.comm)
         if self._pause and self._pause[0] == "optimizer":
             self._pause_optimizer(self._pause[1])
 
     # -- host memory, checkpoints, resume ----------------------------------------------------------------------
+    def _world(self):
+        from megatrain.planner.world import World
+
+        return World(nproc=self.comm.size, nnodes=self.comm.nnodes) if self.comm is not None else None
+
     def _check_host_memory(self) -> None:
         """Refuse to allocate a store the machine cannot hold (on the sim device, the device's buffers and
-        workspace are host memory too)."""
-        need = self.plan.host_bytes + (self.plan.peak_gpu_bytes if self.device.kind == "sim" else 0)
+        workspace are host memory too); in a world, what every rank of this node will hold."""
+        local = self.comm.local_size if self.comm is not None else 1
+        node = self.rank // local
+        shares = self.plan.host_bytes_per_rank or (self.plan.host_bytes,)
+        need = sum(shares[node * local : (node + 1) * local]) + local * (
+            self.plan.peak_gpu_bytes if self.device.kind == "sim" else 0)
         avail = available_host_bytes()
         if avail is not None and need > avail:
             raise HostMemoryError(
@@ -277,7 +310,12 @@ class Trainer:
         return manifest
 
     def _resume(self, manifest: dict) -> None:
-        rng = checkpoint.load_checkpoint(self.resumed_from, manifest, self.store)
+        if self.comm is not None or manifest.get("world"):
+            from .sharded_checkpoint import load
+
+            rng = load(self.resumed_from, manifest, self.store, self.comm)
+        else:
+            rng = checkpoint.load_checkpoint(self.resumed_from, manifest, self.store)
         self.step = manifest["step"]
         self.engine.step_index = self.step  # the device treats the previous step's events as done
         if "rng/torch_cpu" in rng:
@@ -308,8 +346,15 @@ class Trainer:
                 _pause_here(f"checkpoint:{self.step} after {name}")
         extra = {f"hf/{name}": self.model_dir / name for name in SOURCE_FILES
                  if self.model_dir and (self.model_dir / name).is_file()}
-        self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_dir, self.step, self.store, meta, rng,
-                                                          keep=self.keep_checkpoints, after_file=hook, extra=extra)
+        if self.comm is not None:
+            from .sharded_checkpoint import save
+
+            self.last_checkpoint = save(self.checkpoint_dir, self.step, self.store, meta, self.comm, rng,
+                                        keep=self.keep_checkpoints, after_file=hook, extra=extra)
+        else:
+            self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_dir, self.step, self.store, meta,
+                                                              rng, keep=self.keep_checkpoints, after_file=hook,
+                                                              extra=extra)
         return self.last_checkpoint
 
     # -- numerical faults --------------------------------------------------------------------------------------
@@ -377,6 +422,7 @@ class Trainer:
                 TimeRemainingColumn()]
         last = self.step + steps
         logs = append_open(self.metrics_path, "--metrics") if self.metrics_path else contextlib.nullcontext()
+        progress = progress and self.rank == 0
         with logs as sink, _signals(handle_signals) as stop, Progress(*cols, disable=not progress) as bar:
             self._sink = sink
             try:
@@ -390,6 +436,8 @@ class Trainer:
                     if saved:
                         self.save_checkpoint()
                     bar.update(task, advance=1, info=self._progress_info(rec))
+                    if self.comm is not None and self.comm.any(bool(stop), "the stop flag"):
+                        stop = stop or [signal.SIGTERM]  # another rank was signalled: stop after the same step
                     if stop:
                         self.device.synchronize()
                         self._handle_faults()
