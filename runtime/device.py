@@ -185,6 +185,10 @@ class Device:
     def failed(self) -> bool:
         return self._failure is not None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def submit(self, stream: str, fn: Callable[[], None], label: str) -> None:
         """Enqueue `fn` on `stream`; returns immediately. `label` names the op in errors."""
         self._check_stream(stream)

@@ -69,6 +69,7 @@ class Engine:
         self.n_tokens = 0
         self.routing_logs: dict[str, dict[int, routing.RoutingLog]] = {}  # this step's, by unit and micro-batch
         self.timeline: list[tuple] | None = None  # (stream, label, start, end, pool bytes) when tracing
+        self._clips = any(i.op == "clip_grads" for i in program.instrs)
         self._allocate_static()
 
     # -- static buffers -----------------------------------------------------------------------------------
@@ -119,6 +120,19 @@ class Engine:
         self.device.synchronize("compute")
         self.step_index += 1
         return float(sum(float(x) for x in self.losses)) / self.n_tokens
+
+    def grad_norm(self, step: int | None = None) -> float | None:
+        """The global gradient norm of engine step `step` (default: the step `end()` last finished), once that
+        step's clip_grads has run on the host stream, which may still be behind the compute when `end()`
+        returns; None for a program without clip_grads. Waits only for the clip, not the optimizer steps; a
+        device failure raises DeviceError rather than waiting for a clip that will never run."""
+        if not self._clips:
+            return None
+        step = self.step_index - 1 if step is None else step
+        while (norm := self.store.grad_norm(step, timeout=0.05)) is None:
+            if self.device.failed or self.device.closed:
+                self.device.synchronize()  # raises the failure (or that the device is closed)
+        return norm
 
     def routing_metrics(self) -> dict:
         """The last step's routing metrics (routing.summarize); {} for a model without MoE layers."""

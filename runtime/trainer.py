@@ -414,8 +414,9 @@ class Trainer:
                "predicted_step_time_s": self.plan.step_time_s}
         if eval_every and self.step % eval_every == 0:
             rec["val_loss"] = self.validation_loss()
-        if self.store.last_grad_norm is not None:
-            rec["grad_norm"] = self.store.last_grad_norm
+        norm = self.engine.grad_norm()  # this step's, once its clip_grads has run (the host stream may lag)
+        if norm is not None:
+            rec["grad_norm"] = norm
         rec.update(self.engine.routing_metrics())
         return rec
 
