@@ -283,7 +283,8 @@ class HeadUnit(nn.Module):
     def forward(self, carry: Carry, inputs: StepInputs) -> Carry:
         x = self.norm(self.final(carry))
         x = x.reshape(-1, x.shape[-1])
-        return (chunked_cross_entropy(x, self.lm_head.weight, inputs.targets.reshape(-1), inputs.loss_chunk),)
+        return (chunked_cross_entropy(x, self.lm_head.weight, inputs.targets.reshape(-1), inputs.loss_chunk,
+                                      inputs.target),)
 
 
 def unit_names(config: ModelConfig) -> list[str]:
