@@ -19,8 +19,8 @@ def shape_of(p) -> tuple[int, frozenset]:
     return p.n_slots, frozenset(p.placement.values())
 
 
-def plans_by_shape(config, train: TrainSpec, budgets_mib=(3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 64), target="cpu",
-                   packed=False, host_policy="auto"):
+def plans_by_shape(config, train: TrainSpec, budgets_mib=(3, 4, 5, 5.25, 5.5, 5.75, 6, 7, 8, 10, 12, 16, 24, 64),
+                   target="cpu", packed=False, host_policy="auto"):
     """{(n_slots, placements used): plan} over a sweep of budgets, smallest budget first.
     target "cpu" for the sim device (it runs CPU kernels), "cuda" for a GPU; `packed` for packed batches."""
     ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target=target, packed=packed)
