@@ -266,6 +266,12 @@ class Device:
         """dst.copy_(src), asynchronous on cuda. Call it from inside a submitted fn."""
         dst.copy_(src)
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of a small device tensor (routing statistics), from inside a submitted fn: the tensor
+        itself on sim; on cuda a non-blocking copy into pinned memory on the current stream, readable once a
+        later record of this stream has been waited for."""
+        return t.to("cpu")
+
     def stage_copy(self, dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
         """dst.copy_(src) through `stage`, a pinned host buffer of dst's dtype: `src` (host, another dtype) is
         cast into it on this thread, then copied. On cuda the cast first waits for the previous copy out of
@@ -516,6 +522,15 @@ class CudaDevice(Device):
                 dst.view(-1)[a : a + CONVERT_CHUNK].copy_(src.view(-1)[a : a + CONVERT_CHUNK], non_blocking=True)
             return
         dst.copy_(src, non_blocking=True)
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        # NOTE: small tensors, so torch's pinned pool (its power-of-two rounding costs bytes, not GiB); the
+        # source was allocated on the compute stream: record this stream so the allocator keeps it until the
+        # copy has run
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        t.record_stream(torch.cuda.current_stream(self.torch_device))
+        return out
 
     def stage_copy(self, dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
         key = stage.data_ptr()

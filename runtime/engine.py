@@ -17,8 +17,9 @@ slot, and checkpoints go to its pinned copies.
 
 Units with buffers (MoE routing state, models/routing.py): load_params copies them into the slot after the
 weights; every unit runs in a routing step context. A forward instruction records the step's routing
-statistics in a RoutingLog per (unit, micro-batch); a backward's recompute routes the same way (the buffers
-change only at the optimizer step) and records nothing. store_grads hands the unit's logs to the host store
+statistics in a RoutingLog per (unit, micro-batch), and the experts' row counts it read from the device; a
+backward's recompute replays those counts (the buffers change only at the optimizer step, so it routes the
+same way) without reading anything back, and records nothing. store_grads hands the unit's logs to the host store
 with its gradients, and the store's optimizer step updates the buffers from them.
 """
 
@@ -207,7 +208,9 @@ class Engine:
             if saved is not None:
                 params, carry, out = saved
             else:
-                with routing.step_context(None, scale):  # a recompute: route as the forward did, record nothing
+                replay = self.routing_logs.get(unit, {}).get(mb)  # the row counts its forward read
+                with routing.step_context(None, scale, replay=replay.counts if replay else None):
+                    # a recompute: route as the forward did (no read from the device), record nothing
                     params, carry, out, _ = self._forward_with_graph(u, slot, mb, side)
             if u.kind == "head":
                 grad_out = (torch.full((), 1.0 / self.n_tokens, dtype=out[0].dtype, device=out[0].device),)
@@ -247,7 +250,7 @@ class Engine:
             self.device.copy(st.norms, flat[u.flat_numel : u.flat_numel + len(u.params)])
             if u.buffers:  # the statistics its buffers' update needs travel with the gradients
                 by_mb = logs.get(unit, {})
-                self.store.put_routing(unit, [by_mb[mb].to_host() for mb in sorted(by_mb)])
+                self.store.put_routing(unit, [by_mb[mb].to_host(self.device.to_host) for mb in sorted(by_mb)])
 
         self._submit("d2h", i, f"store_grads({unit}, grad_slot={grad_slot}, host_grad={host_grad})", run)
 
