@@ -17,8 +17,9 @@ Run its tests: `.venv/bin/pytest tests/runtime/test_device.py` (the CUDA ones: `
   queue), blocked waits abort, and `synchronize()` raises DeviceError naming the op (its `__cause__` is the
   original error). A wait that no stream can ever satisfy is reported by `synchronize()` as a deadlock.
 - Worker threads have their own torch thread-local state (grad mode, inference mode, current CUDA stream):
-  submitted functions set what they need. Intra-op threads are left as torch sets them; on a small machine
-  (2 cores) four workers and torch's pool share the cores, which is fine for tests but not a benchmark.
+  submitted functions set what they need. Each worker sets its intra-op threads from the device's CPU budget
+  (cpus.py: on cuda the host optimizer gets the cores the issuing threads do not need, and the process is
+  bound to the GPU's NUMA node when one is known) before its first op; `cpu` holds the budget.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from .cpus import CpuBudget
+from .cpus import resolve as resolve_cpus
 
 STREAMS = ("compute", "h2d", "d2h", "host")
 GPU_STREAMS = ("compute", "h2d", "d2h")
@@ -143,8 +147,9 @@ class Device:
     kind: str = "base"
     STREAMS = STREAMS
 
-    def __init__(self, budget_bytes: int | None, torch_device: torch.device):
+    def __init__(self, budget_bytes: int | None, torch_device: torch.device, cpu: CpuBudget | None = None):
         self.torch_device = torch_device
+        self.cpu = cpu if cpu is not None else resolve_cpus(self.kind)
         self.pool = MemoryPool(budget_bytes)
         self._events = _EventTable()
         self._lock = threading.Lock()
@@ -160,7 +165,11 @@ class Device:
         self._threads: dict[str, threading.Thread] = {}
 
     # -- subclass hooks ------------------------------------------------------------------------------------
-    def _worker_init(self, stream: str) -> None: ...
+    def _worker_init(self, stream: str) -> None:
+        # NOTE: torch initialises a thread's intra-op count lazily from the process-wide one at its first
+        # parallel op, which would undo a set_num_threads made before it: initialise first, then set
+        torch.get_num_threads()
+        torch.set_num_threads(self.cpu.threads[stream])
 
     def _before(self, stream: str) -> None: ...
 
@@ -327,10 +336,17 @@ class Device:
             self._queues[stream].put(item)
 
     def _start_workers(self) -> None:
+        # NOTE: a worker's set_num_threads also sets the process-wide count that threads initialise from
+        # lazily; wait for every worker to set its own, then restore this thread's (and so the process's)
+        own = torch.get_num_threads()
+        self._started = {s: threading.Event() for s in STREAMS}
         for s in STREAMS:
             thread = threading.Thread(target=self._loop, args=(s,), name=f"megatrain-{self.kind}-{s}", daemon=True)
             self._threads[s] = thread
             thread.start()
+        for s in STREAMS:
+            self._started[s].wait()
+        torch.set_num_threads(own)
 
     def _loop(self, stream: str) -> None:
         q = self._queues[stream]
@@ -338,6 +354,8 @@ class Device:
             self._worker_init(stream)
         except BaseException as exc:
             self._fail(stream, f"start of the {stream} worker", exc)
+        finally:
+            self._started[stream].set()
         while True:
             kind, a, b, label = q.get()
             if kind == _STOP:
@@ -424,12 +442,13 @@ class SimDevice(Device):
 
     kind = "sim"
 
-    def __init__(self, budget_bytes: int | None = None, delays: tuple[float, float] | None = None, seed: int = 0):
+    def __init__(self, budget_bytes: int | None = None, delays: tuple[float, float] | None = None, seed: int = 0,
+                 cpu: CpuBudget | None = None):
         if delays is not None:
             lo, hi = delays
             if not 0 <= lo <= hi:
                 raise ValueError(f"delays must be (lo, hi) seconds with 0 <= lo <= hi, got {delays}")
-        super().__init__(budget_bytes, torch.device("cpu"))
+        super().__init__(budget_bytes, torch.device("cpu"), cpu)
         self._delays = delays
         self._rngs = {s: random.Random(f"{seed}:{s}") for s in STREAMS}
         self._start_workers()
@@ -458,7 +477,7 @@ class CudaDevice(Device):
         if not 0 <= index < torch.cuda.device_count():
             raise ValueError(f"CUDA device index {index} out of range; this machine has "
                              f"{torch.cuda.device_count()} GPU(s)")
-        super().__init__(budget_bytes, torch.device("cuda", index))
+        super().__init__(budget_bytes, torch.device("cuda", index), resolve_cpus("cuda", index))
         self._streams = {s: torch.cuda.Stream(device=self.torch_device) for s in GPU_STREAMS}
         self._cuda_lock = threading.Lock()
         # Issued GPU records not yet known complete: name -> {step: event}. Completed ones are pruned;
@@ -469,6 +488,7 @@ class CudaDevice(Device):
         self._start_workers()
 
     def _worker_init(self, stream: str) -> None:
+        super()._worker_init(stream)
         torch.cuda.set_device(self.torch_device)
 
     def _run_op(self, stream: str, fn: Callable[[], None]) -> None:

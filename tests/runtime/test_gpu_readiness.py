@@ -58,3 +58,76 @@ def test_grad_norm_of_a_failed_device_raises_instead_of_waiting():
         engine.step_index = 1
         with pytest.raises(DeviceError, match="clip_grads"):
             engine.grad_norm()
+
+
+# -- the CPU budget (item 3) -------------------------------------------------------------------------------------
+def test_cpu_lists_and_the_gpus_numa_node_from_sysfs(tmp_path):
+    from megatrain.runtime.cpus import numa_cores, parse_cpulist
+
+    assert parse_cpulist("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11]
+    dev = tmp_path / "bus/pci/devices/0000:1b:00.0"
+    dev.mkdir(parents=True)
+    (dev / "numa_node").write_text("1\n")
+    node = tmp_path / "devices/system/node/node1"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_text("8-15\n")
+    assert numa_cores("0000:1B:00.0", tmp_path) == (1, list(range(8, 16)))
+    (dev / "numa_node").write_text("-1\n")  # a virtual machine that does not say
+    assert numa_cores("0000:1b:00.0", tmp_path) == (None, [])
+    assert numa_cores("0000:99:00.0", tmp_path) == (None, [])
+
+
+@pytest.mark.parametrize("cores, want", [(16, {"compute": 1, "h2d": 2, "d2h": 1, "host": 11}),
+                                         (4, {"compute": 1, "h2d": 1, "d2h": 1, "host": 1}),
+                                         (2, {"compute": 1, "h2d": 1, "d2h": 1, "host": 1})])
+def test_on_a_gpu_the_host_optimizer_gets_the_cores_the_issuing_threads_leave(cores, want):
+    from megatrain.runtime.cpus import thread_budget
+
+    assert thread_budget("cuda", cores) == want
+    assert thread_budget("cuda", cores, host_threads=3)["host"] == 3
+
+
+def test_each_stream_worker_runs_with_its_budgeted_intra_op_threads(monkeypatch):
+    from megatrain.runtime.cpus import CpuBudget
+    from megatrain.runtime.device import STREAMS, SimDevice
+
+    budget = CpuBudget(cores=(0, 1), threads={"compute": 2, "h2d": 1, "d2h": 1, "host": 1})
+    seen = {}
+    with SimDevice(cpu=budget) as dev:
+        for s in STREAMS:
+            dev.submit(s, lambda s=s: seen.__setitem__(s, torch.get_num_threads()), "threads")
+        dev.synchronize()
+    assert seen == budget.threads
+
+
+def test_starting_a_device_leaves_the_callers_and_new_threads_intra_op_count_alone():
+    import threading
+
+    from megatrain.runtime.cpus import CpuBudget, resolve
+    from megatrain.runtime.device import SimDevice
+
+    before = torch.get_num_threads()
+    assert resolve("sim").threads["compute"] == before  # the eager reference's reduction order
+    odd = CpuBudget(cores=(0,), threads={"compute": before + 3, "h2d": before + 2, "d2h": before + 1,
+                                         "host": before + 4})
+    with SimDevice(cpu=odd) as dev:
+        assert torch.get_num_threads() == before
+        fresh = []
+        thread = threading.Thread(target=lambda: fresh.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert fresh == [before]
+        seen = []
+        dev.submit("host", lambda: seen.append(torch.get_num_threads()), "threads")
+        dev.synchronize()
+        assert seen == [before + 4]
+
+
+def test_the_host_thread_count_can_be_set_and_bad_values_are_one_line(monkeypatch):
+    from megatrain.runtime.cpus import HOST_THREADS_ENV, resolve
+
+    monkeypatch.setenv(HOST_THREADS_ENV, "3")
+    assert resolve("sim").threads["host"] == 3
+    monkeypatch.setenv(HOST_THREADS_ENV, "lots")
+    with pytest.raises(ValueError, match="MEGATRAIN_HOST_THREADS='lots': expected a positive number"):
+        resolve("sim")
