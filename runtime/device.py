@@ -291,6 +291,17 @@ class Device:
     def measured_peak_bytes(self) -> int:
         return self.pool.peak
 
+    def memory_report(self) -> dict[str, int]:
+        """Measured device memory since the last reset_peak(), each figure beside the plan figure it compares
+        with (trainer.py `planned_memory`): `peak_device_bytes`, tensors allocated (sim: the pool's program
+        buffers, exact); `peak_reserved_bytes`, what the allocator held (sim: the same); on cuda also
+        `device_used_bytes`, the whole GPU's use now from cudaMemGetInfo (context, library workspaces and
+        other processes included) and `device_total_bytes`."""
+        return {"peak_device_bytes": self.pool.peak, "peak_reserved_bytes": self.pool.peak}
+
+    def limit_allocator(self, nbytes: int) -> None:
+        """Enforce `nbytes` on the process's device allocations (on sim the pool's budget does already)."""
+
     def reset_peak(self) -> None:
         """Start a new peak measurement (pool and, on cuda, torch's allocator statistics)."""
         self.pool.reset_peak()
@@ -485,6 +496,7 @@ class CudaDevice(Device):
         self._cuda_events: dict[str, dict[int, torch.cuda.Event]] = {}
         self._stage_events: dict[int, torch.cuda.Event] = {}  # staging buffer -> its last copy's event
         self._host_arena = None
+        self._limited = False  # limit_allocator() capped the allocator
         self._start_workers()
 
     def _worker_init(self, stream: str) -> None:
@@ -568,9 +580,40 @@ class CudaDevice(Device):
     def measured_peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.torch_device)
 
+    def memory_report(self) -> dict[str, int]:
+        free, total = torch.cuda.mem_get_info(self.torch_device)
+        return {"peak_device_bytes": torch.cuda.max_memory_allocated(self.torch_device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.torch_device),
+                "device_used_bytes": total - free, "device_total_bytes": total}
+
+    def limit_allocator(self, nbytes: int) -> None:
+        """Cap torch's caching allocator on this GPU at `nbytes` (an allocation past it raises out of memory,
+        as the plan's budget promises) until close()."""
+        _, total = torch.cuda.mem_get_info(self.torch_device)
+        torch.cuda.set_per_process_memory_fraction(allocator_fraction(nbytes, total), self.torch_device)
+        self._limited = True
+
+    def close(self) -> None:
+        super().close()
+        if self._limited:  # the cap is the process's: lift it with the device that set it
+            self._limited = False
+            torch.cuda.set_per_process_memory_fraction(1.0, self.torch_device)
+
     def reset_peak(self) -> None:
         super().reset_peak()
         torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+
+def allocator_fraction(nbytes: int, total_bytes: int) -> float:
+    """The fraction of a GPU's `total_bytes` that caps its allocator at `nbytes`, for
+    torch.cuda.set_per_process_memory_fraction; a cap the GPU cannot hold is refused."""
+    if nbytes <= 0:
+        raise ValueError(f"the device allocator's limit must be > 0 bytes, got {nbytes:,}: raise the GPU budget "
+                         "above the hardware profile's reserved bytes")
+    if nbytes > total_bytes:
+        raise ValueError(f"the GPU budget leaves the allocator {nbytes:,} bytes but the GPU has {total_bytes:,}; "
+                         "lower the GPU budget (--gpu-budget) to what the GPU holds")
+    return nbytes / total_bytes
 
 
 def make_device(kind: str, budget_bytes: int | None = None, **kw) -> Device:

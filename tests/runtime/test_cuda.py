@@ -178,3 +178,35 @@ def test_staged_bf16_loads_and_converting_stores_on_cuda(monkeypatch):
         dev.synchronize()
         assert torch.equal(dst, src.to(torch.bfloat16).cpu())
         store.close()
+
+
+# -- GPU readiness (issue 16); CPU twins: tests/runtime/test_gpu_readiness.py -------------------------------------
+def test_the_allocator_cap_holds_the_process_to_the_budget_and_close_lifts_it():
+    from megatrain.runtime.device import CudaDevice
+
+    torch.cuda.empty_cache()
+    cap = torch.cuda.memory_reserved() + 256 * 2**20
+    with CudaDevice(2**30) as dev:
+        dev.limit_allocator(cap)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+        x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+        report = dev.memory_report()
+        assert report["peak_device_bytes"] >= x.numel() and report["peak_reserved_bytes"] >= x.numel()
+        assert report["device_total_bytes"] >= report["device_used_bytes"] >= report["peak_reserved_bytes"]
+        del x
+    torch.cuda.empty_cache()
+    y = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # the cap went with the device
+    del y
+
+
+def test_cuda_stream_workers_run_with_the_cpu_budget():
+    from megatrain.runtime.device import STREAMS, CudaDevice
+
+    seen = {}
+    with CudaDevice() as dev:
+        for s in STREAMS:
+            dev.submit(s, lambda s=s: seen.__setitem__(s, torch.get_num_threads()), "threads")
+        dev.synchronize()
+        assert seen == dev.cpu.threads and seen["compute"] == 1
+        assert set(dev.cpu.cores) <= set(range(__import__("os").cpu_count()))

@@ -131,3 +131,43 @@ def test_the_host_thread_count_can_be_set_and_bad_values_are_one_line(monkeypatc
     monkeypatch.setenv(HOST_THREADS_ENV, "lots")
     with pytest.raises(ValueError, match="MEGATRAIN_HOST_THREADS='lots': expected a positive number"):
         resolve("sim")
+
+
+# -- the device memory report (item 9) ---------------------------------------------------------------------------
+def test_the_allocator_cap_is_a_fraction_of_the_gpu_and_one_it_cannot_hold_is_refused():
+    from megatrain.runtime.device import allocator_fraction
+
+    assert allocator_fraction(35 * 2**30, 140 * 2**30) == 0.25
+    with pytest.raises(ValueError, match="lower the GPU budget"):
+        allocator_fraction(141 * 2**30, 140 * 2**30)
+    with pytest.raises(ValueError, match="above the hardware profile's reserved bytes"):
+        allocator_fraction(0, 140 * 2**30)
+
+
+def test_records_compare_measured_memory_with_the_plan_like_with_like(tmp_path, monkeypatch):
+    """The process is held to the budget less the plan's reserve, and each measured figure sits beside its
+    own plan figure: allocated with buffers + workspace, reserved with the margin added, the GPU's use with
+    the reserve too (here a sim device under an h200 profile, its kind read as cuda's for the plan side)."""
+    import math
+
+    from megatrain.runtime.device import SimDevice
+
+    limits = []
+    monkeypatch.setattr(SimDevice, "limit_allocator", lambda self, n: limits.append(n))
+    train_file, _ = make_token_files(tmp_path)
+    train = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", total_steps=2)
+    budget = 2 * 2**30
+    with Trainer(TINY, train, budget, hardware="h200", data=train_file) as t:
+        hw = t.plan.hardware
+        assert limits == [budget - hw.reserved_bytes] and hw.reserved_bytes > 0
+        rec = t.run(1, progress=False, handle_signals=False)[0]
+        assert rec["peak_device_bytes"] == rec["peak_reserved_bytes"] == rec["planned_peak_device_bytes"]
+        assert rec["planned_peak_device_bytes"] == t.plan.peak_buffer_bytes and rec["gpu_budget_bytes"] == budget
+        assert "planned_peak_gpu_bytes" not in rec  # the sim pool has no reserve or margin to compare
+        t.device.kind = "cuda"
+        planned = t.planned_memory()
+        assert planned["planned_peak_device_bytes"] == t.plan.peak_device_bytes > t.plan.peak_buffer_bytes
+        assert planned["planned_peak_reserved_bytes"] == math.ceil(t.plan.peak_device_bytes
+                                                                   * (1 + hw.allocator_margin))
+        assert planned["planned_peak_gpu_bytes"] == t.plan.peak_gpu_bytes
+        t.device.kind = "sim"
