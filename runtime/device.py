@@ -481,7 +481,13 @@ class CudaDevice(Device):
 
     kind = "cuda"
 
-    def __init__(self, budget_bytes: int | None = None, index: int = 0):
+    def __init__(self, budget_bytes: int | None = None, index: int = 0,
+                 gpu_delays: tuple[int, int] | None = None, seed: int = 0):
+        """`gpu_delays`: (lo, hi) GPU clock cycles of torch.cuda._sleep queued on a GPU stream before each of
+        its ops (drawn per stream from `seed`), so the GPU, not only the issuing threads, runs the streams
+        out of step; the CUDA twin of SimDevice's delays, for ordering tests."""
+        if gpu_delays is not None and not 0 <= gpu_delays[0] <= gpu_delays[1]:
+            raise ValueError(f"gpu_delays must be (lo, hi) cycles with 0 <= lo <= hi, got {gpu_delays}")
         if not torch.cuda.is_available():
             raise ValueError("CUDA is not available on this machine (torch.cuda.is_available() is False); "
                              "use --device sim to run on the CPU")
@@ -497,11 +503,18 @@ class CudaDevice(Device):
         self._stage_events: dict[int, torch.cuda.Event] = {}  # staging buffer -> its last copy's event
         self._host_arena = None
         self._limited = False  # limit_allocator() capped the allocator
+        self._gpu_delays = gpu_delays
+        self._rngs = {s: random.Random(f"{seed}:{s}") for s in GPU_STREAMS}
         self._start_workers()
 
     def _worker_init(self, stream: str) -> None:
         super()._worker_init(stream)
         torch.cuda.set_device(self.torch_device)
+
+    def _before(self, stream: str) -> None:
+        if self._gpu_delays is not None and stream in self._streams:
+            with torch.cuda.stream(self._streams[stream]):
+                torch.cuda._sleep(self._rngs[stream].randint(*self._gpu_delays))
 
     def _run_op(self, stream: str, fn: Callable[[], None]) -> None:
         if stream == "host":

@@ -50,10 +50,14 @@ def make_batches(config, train: TrainSpec, steps: int, seed: int = 0):
 
 
 def streamed_train(p, batches, delays=None, budget=None, seed=0, kind="sim"):
-    """Run the compiled plan on a device (sim by default); returns (store, losses, pool peak)."""
+    """Run the compiled plan on a device (sim by default); returns (store, losses, pool peak). `delays`: on
+    sim (lo, hi) seconds per op, on cuda (lo, hi) GPU cycles slept before each GPU stream op."""
     step = load(emit(p)).step
     budget = budget if budget is not None else p.gpu_budget_bytes
-    dev = SimDevice(budget_bytes=budget, delays=delays, seed=seed) if kind == "sim" else make_device(kind, budget)
+    if kind == "sim":
+        dev = SimDevice(budget_bytes=budget, delays=delays, seed=seed)
+    else:
+        dev = make_device(kind, budget, **({"gpu_delays": delays, "seed": seed} if delays else {}))
     with dev:
         store = HostStore(p.ir, p.train, seed=p.train.seed, policy=getattr(p, "host_policy", "exact"),
                           program=p.program, device=dev.kind)
