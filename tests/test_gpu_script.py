@@ -93,3 +93,43 @@ def test_the_gpu_benchmark_says_it_measured_nothing_without_cuda(capsys):
 
     assert gpu_step.main(["--models", "1b@2048"]) == 1
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_the_fsdp2_peer_wiring_takes_a_step_on_cpu(tmp_path):
+    """peers.py's FSDP2 path (fully_shard per block and root, bf16 mixed precision, the eager model's loss)
+    rehearsed with gloo on CPU: one step runs and moves every weight. CPUOffloadPolicy needs CUDA."""
+    out = tmp_path / "peers.jsonl"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu/peers.py"), "--system", "fsdp2", "--case",
+                        "tiny@64", "--device", "cpu", "--grad-accum", "2", "--out", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "MASTER_PORT": "29631"})
+    row = json.loads(out.read_text())
+    assert r.returncode == 0 and "error" not in row, r.stderr[-2000:]
+    assert row["weights_changed"] == row["n_params"] > 0
+
+
+def test_a_peer_that_is_not_installed_is_a_row_saying_so_and_the_table_gives_the_ratio(monkeypatch):
+    import importlib.util
+
+    import peers
+    from table import peer_table
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    row = peers.run("deepspeed", "1b@2048", 1, 1, 4)
+    assert row["skipped"] == "deepspeed is not installed in this image" and row["seq_len"] == 2048
+    ours = [{"case": "1b@2048", "tokens_per_s": 3000.0}]
+    theirs = [{"case": "1b@2048", "system": "fsdp2", "tokens_per_s": 1200.0, "model_tflops": 20.0,
+               "optimizer": "torch AdamW"}, row]
+    text = peer_table(ours, theirs)
+    assert "| 1b@2048 | fsdp2 | 1,200 | 2.50x | 20.0 |" in text
+    assert "| 1b@2048 | deepspeed | deepspeed is not installed in this image |" in text
+
+
+def test_the_device_script_runs_every_file_that_holds_cuda_tests():
+    import re
+
+    script = (ROOT / "benchmarks/gpu/run.sh").read_text()
+    listed = set(re.search(r"CUDA_TEST_FILES=\(([^)]*)\)", script).group(1).split())
+    marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+              if "mark.cuda" in p.read_text() and p.name != Path(__file__).name}
+    assert marked and listed == marked
