@@ -45,7 +45,7 @@ def test_the_laid_out_package_imports_from_its_site_with_its_data(tmp_path):
 
 @no_gpu
 def test_a_cuda_test_run_without_a_gpu_fails_instead_of_skipping_everything(tmp_path):
-    from conftest import cuda_run_without_a_gpu
+    from cuda_gate import cuda_run_without_a_gpu
 
     assert "torch sees no GPU" in cuda_run_without_a_gpu("cuda", {})
     assert "torch sees no GPU" in cuda_run_without_a_gpu("not slow", {"MEGATRAIN_REQUIRE_CUDA": "1"})
