@@ -60,6 +60,45 @@ flop_registry.setdefault(_aten._scaled_dot_product_flash_attention_for_cpu_backw
                          flop_registry[_aten._scaled_dot_product_flash_attention_backward])
 
 
+def _gqa_heads(formula, query: int):
+    """A fused-attention FLOP formula that takes grouped-query shapes (fewer key/value heads, which the kernel
+    broadcasts): key and value are counted at the query's head count. Older torch asserts equal heads."""
+    if getattr(formula, "megatrain_gqa", False):
+        return formula
+
+    def count(*args, **kwargs):
+        q = args[query]
+        # NOTE: shapes, not tensors: the formula reads only shapes (shape_wrapper), and a tensor made here would
+        # be an allocation the trace's memory tracking counts
+        wide = [torch.Size((*t.shape[:1], q.shape[1], *t.shape[2:]))
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] != q.shape[1] else t
+                for t in args[query + 1 : query + 3]]
+        return formula(*args[: query + 1], *wide, *args[query + 3 :], **kwargs)
+
+    count.megatrain_gqa = True
+    return count
+
+
+def _any_out_dtype(formula):
+    """addmm's FLOP formula for every overload: `addmm.dtype` passes its out_dtype positionally."""
+    if getattr(formula, "megatrain_dtype", False):
+        return formula
+
+    def count(self, mat1, mat2, *_, out_val=None, **__):
+        return formula(self, mat1, mat2, out_val=out_val)
+
+    count.megatrain_dtype = True
+    return count
+
+
+for _op, _query in ((_aten._scaled_dot_product_flash_attention, 0),
+                    (_aten._scaled_dot_product_flash_attention_for_cpu, 0),
+                    (_aten._scaled_dot_product_flash_attention_backward, 1),
+                    (_aten._scaled_dot_product_flash_attention_for_cpu_backward, 1)):
+    flop_registry[_op] = _gqa_heads(flop_registry[_op], _query)
+flop_registry[_aten.addmm] = _any_out_dtype(flop_registry[_aten.addmm])
+
+
 def canonical_dtype(dtype: str | torch.dtype) -> str:
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")

@@ -4,8 +4,9 @@ Where it sits: `templates(config)` gives the stateless unit templates (built on 
 distinct structure) that tracing (ir/trace.py) and the runtime run through `bind()`; `build_eager(config)`
 gives a plain nn.Module with the same math and parameter names: the ground truth of every exactness test.
 
-Architecture: RMSNorm (fp32 statistics), RoPE (rotate-half, as Hugging Face LLaMA), grouped-query attention
-through F.scaled_dot_product_attention with a causal mask, SwiGLU MLP; the head is the final RMSNorm, the
+Architecture: RMSNorm (fp32 statistics, one rounding), RoPE (rotate-half, as Hugging Face LLaMA), grouped-query
+attention through F.scaled_dot_product_attention with a causal mask (K and V not repeated where the kernel
+broadcasts them), SwiGLU MLP; the head is the final RMSNorm, the
 LM head and a chunked cross-entropy (loss.py) returning the *sum* of token losses in fp32.
 
 Long sequences (`StepInputs.chunk_tokens`, chosen by the planner's `chunks` pass): a block runs its norms,
@@ -67,8 +68,47 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm") and hasattr(torch.ops.aten, "_fused_rms_norm_backward")
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x / rms(x) * weight over the last dimension: fp32 statistics, the weight applied in fp32 and one rounding
+    into x's dtype, as torch's fused rms_norm computes it (Hugging Face's LlamaRMSNorm rounds x / rms(x) to x's
+    dtype before the weight: equal in fp32, at most one bf16 step apart). It saves x and the fp32 1/rms of each
+    row, not an fp32 copy of x; on CUDA it is one fused kernel each way (aten._fused_rms_norm), elsewhere a
+    few elementwise ones."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if x.is_cuda and _FUSED_RMS_NORM:
+            y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        else:
+            xf = _stats_dtype(x)
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y = (xf * rstd * weight.to(xf.dtype)).to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        if x.is_cuda and _FUSED_RMS_NORM:
+            dx, dw = torch.ops.aten._fused_rms_norm_backward(dy.contiguous(), x, [x.shape[-1]], rstd, weight,
+                                                              [ctx.needs_input_grad[0], ctx.needs_input_grad[1]])
+            return dx, dw, None
+        n = _stats_dtype(x) * rstd
+        g = dy.to(n.dtype) * weight.to(n.dtype)
+        dx = (rstd * (g - n * (g * n).mean(-1, keepdim=True))).to(x.dtype)
+        dw = (dy.to(n.dtype) * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        return dx, dw, None
+
+
+def _stats_dtype(x: Tensor) -> Tensor:
+    """x in the dtype RMSNorm's statistics are taken in: fp32 for bf16/fp16, its own otherwise (fp64 stays)."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
 def rope_frequencies(config: ModelConfig, device=None) -> Tensor:
@@ -98,13 +138,17 @@ def rope_tables(config: ModelConfig, seq_len: int, dtype: torch.dtype, device=No
 
 
 def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    """(x1, x2) -> (x2, x1) over the two halves of the last dimension: one copy (the sign is in the sine)."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, H, T, hd)."""
-    return x * cos + _rotate_half(x) * sin
+    """x: (B, H, T, hd). x * cos + rotate_half(x) * sin, Hugging Face's rotate-half RoPE, with the half-swap
+    one copy and the sign folded into the (small) sine table: x * cos + swap(x) * [-sin1, sin2], three
+    kernels on x where chunk, neg, cat, two products and a sum took six."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return torch.addcmul(x * cos, _rotate_half(x), signed)
 
 
 def packing(positions: Tensor, device=None) -> dict:
@@ -129,7 +173,7 @@ def packing(positions: Tensor, device=None) -> dict:
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Tensor:
     """Causal attention within each document of a packed micro-batch: no token attends across a document
-    boundary. q: (B, H, T, hd), k and v repeated to H heads. On CUDA in bf16/fp16, one varlen flash-attention
+    boundary. q: (B, H, T, hd), k and v (B, H_kv, T, hd) with H a multiple of H_kv. On CUDA in bf16/fp16, one varlen flash-attention
     call covers every document; elsewhere each document runs through the same fused causal kernel as an
     unpacked sequence (one call per document). No (T, T) mask ever exists, and a document's attention equals
     what it would be alone."""
@@ -138,6 +182,8 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Ten
         from torch.nn.attention.varlen import varlen_attn
 
         B, H, T, hd = q.shape
+        if k.shape[1] != H:  # NOTE: the varlen call takes the query's heads: repeat K and V for it
+            k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // v.shape[1], dim=1)
         longest = max(e - s for spans in inputs.segments for s, e in spans)
         flat = [t.transpose(1, 2).reshape(B * T, H, hd) for t in (q, k, v)]
         y = varlen_attn(*flat, inputs.cu_seqlens, inputs.cu_seqlens, longest, longest, window_size=(-1, 0))
@@ -147,18 +193,28 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Ten
     return torch.cat(rows, dim=0)
 
 
+def native_gqa(q: Tensor, target: str = "cuda") -> bool:
+    """Whether the fused attention kernel that runs `q` reads fewer key/value heads than query heads itself
+    (SDPA's enable_gqa, no copies): the CPU's flash kernel, and CUDA's flash kernel in bf16/fp16. CUDA in fp32
+    runs the memory-efficient kernel, which does not, so K and V are repeated to the query's heads there."""
+    kind = target if q.device.type == "meta" else q.device.type
+    return kind == "cpu" or q.dtype in (torch.bfloat16, torch.float16)
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, target: str = "cuda") -> Tensor:
-    """Causal SDPA. On the meta device (tracing) it is the fused flash kernel that SDPA dispatches to on
-    the target (CUDA's or the CPU's), so the trace records what that kernel saves for backward and never
-    materialises the (T, T) scores, where SDPA's math fallback on meta would. k and v may have fewer heads
-    than q (grouped-query attention without repeating them: both flash kernels take that natively)."""
+    """Causal SDPA; k and v may have fewer heads than q (grouped-query attention). On the meta device
+    (tracing) it is the fused flash kernel that SDPA dispatches to on the target (CUDA's or the CPU's), so the
+    trace records what that kernel saves for backward and never materialises the (T, T) scores, where SDPA's
+    math fallback on meta would."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and not native_gqa(q, target):
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        rep = 1
     if q.device.type == "meta":
         if target == "cpu":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
-    if k.shape[1] != q.shape[1]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
 
 
 class Attention(nn.Module):
@@ -194,12 +250,9 @@ class Attention(nn.Module):
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs, repeat: bool = True) -> Tensor:
-        """The fused causal attention (per document when packed); `repeat=False` passes grouped k and v
-        to the kernel as they are, except for a packed batch, whose kernels take repeated ones."""
-        if self.n_kv != self.n_heads and (repeat or inputs.segments is not None):
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Tensor:
+        """The fused causal attention (per document when packed) of grouped k and v as they are: the kernels
+        broadcast them where they can and repeat them where they cannot (causal_attention, packed_attention)."""
         if inputs.segments is None:
             return causal_attention(q, k, v, inputs.target)
         return packed_attention(q, k, v, inputs)
@@ -221,7 +274,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             mods.update(q_norm=self.q_norm, k_norm=self.k_norm)
         q, k, v = tiled(qkv, mods, h, chunk, in_dim=1, out_dims=(2, 2, 2))
-        y = self.attend(q, k, v, inputs, repeat=False)
+        y = self.attend(q, k, v, inputs)
         return tiled(out, {"o_proj": self.o_proj}, y, chunk, in_dim=2, out_dims=(1,))[0]
 
 
@@ -341,10 +394,11 @@ class HeadUnit(nn.Module):
         targets = inputs.targets.reshape(-1)
         if inputs.tiles(x.shape[-2]) is not None:  # tiled: the final norm runs inside the loss's chunks
             x = x.reshape(-1, x.shape[-1])
-            return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, norm=self.norm),)
+            return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, norm=self.norm,
+                                          target=inputs.target),)
         x = self.norm(x)
         x = x.reshape(-1, x.shape[-1])
-        return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk),)
+        return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, target=inputs.target),)
 
 
 def unit_names(config: ModelConfig) -> list[str]:

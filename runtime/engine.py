@@ -17,8 +17,9 @@ slot, and checkpoints go to its pinned copies.
 
 Units with buffers (MoE routing state, models/routing.py): load_params copies them into the slot after the
 weights; every unit runs in a routing step context. A forward instruction records the step's routing
-statistics in a RoutingLog per (unit, micro-batch); a backward's recompute routes the same way (the buffers
-change only at the optimizer step) and records nothing. store_grads hands the unit's logs to the host store
+statistics in a RoutingLog per (unit, micro-batch), and the experts' row counts it read from the device; a
+backward's recompute replays those counts (the buffers change only at the optimizer step, so it routes the
+same way) without reading anything back, and records nothing. store_grads hands the unit's logs to the host store
 with its gradients, and the store's optimizer step updates the buffers from them.
 
 A world program (`program.world_size` R > 1, planner/world.py) runs with a Communicator (distributed.py): `begin`
@@ -87,6 +88,7 @@ class Engine:
         self.gathered = frozenset(i.unit for i in program.instrs if i.op == "all_gather")  # its sharded units
         self.timeline: list[tuple] | None = None  # (stream, label, start, end, pool bytes) when tracing
         self.staging = Staging(device, STAGING_BYTES, store.checkpoint_staging)  # long checkpoints' copies
+        self._clips = any(i.op == "clip_grads" for i in program.instrs)
         self._allocate_static()
 
     # -- static buffers -----------------------------------------------------------------------------------
@@ -142,6 +144,19 @@ class Engine:
         if self.comm is not None:
             total = self.comm.sum([total], what="the step's loss")[0]
         return total / self.n_tokens
+
+    def grad_norm(self, step: int | None = None) -> float | None:
+        """The global gradient norm of engine step `step` (default: the step `end()` last finished), once that
+        step's clip_grads has run on the host stream, which may still be behind the compute when `end()`
+        returns; None for a program without clip_grads. Waits only for the clip, not the optimizer steps; a
+        device failure raises DeviceError rather than waiting for a clip that will never run."""
+        if not self._clips:
+            return None
+        step = self.step_index - 1 if step is None else step
+        while (norm := self.store.grad_norm(step, timeout=0.05)) is None:
+            if self.device.failed or self.device.closed:
+                self.device.synchronize()  # raises the failure (or that the device is closed)
+        return norm
 
     def routing_metrics(self) -> dict:
         """The last step's routing metrics (routing.summarize); {} for a model without MoE layers. In a world:
@@ -219,7 +234,9 @@ class Engine:
             if saved is not None:
                 params, carry, out = saved
             else:
-                with routing.step_context(None, scale):  # a recompute: route as the forward did, record nothing
+                replay = self.routing_logs.get(unit, {}).get(mb)  # the row counts its forward read
+                with routing.step_context(None, scale, replay=replay.counts if replay else None):
+                    # a recompute: route as the forward did (no read from the device), record nothing
                     params, carry, out, _ = self._forward_with_graph(u, slot, mb, side)
             if u.kind == "head":
                 grad_out = (torch.full((), 1.0 / self.n_tokens, dtype=out[0].dtype, device=out[0].device),)
@@ -274,7 +291,7 @@ class Engine:
                                                   for mb in gathered[unit]])
                 else:
                     by_mb = logs.get(unit, {})
-                    self.store.put_routing(unit, [by_mb[mb].to_host() for mb in sorted(by_mb)])
+                    self.store.put_routing(unit, [by_mb[mb].to_host(self.device.to_host) for mb in sorted(by_mb)])
 
         self._submit("d2h", i, f"store_grads({unit}, grad_slot={grad_slot}, host_grad={host_grad}"
                      f"{', shard=True' if shard else ''})", run)

@@ -63,6 +63,7 @@ from .host_state import Moments, adamw_step, grad_dtype, moment_dtype, n_blocks,
 from .optim import clip_coefficient
 
 SAFE_MAX = float(torch.finfo(torch.float32).max) / 4  # a weight bound past this may overflow within the step
+KEEP_GRAD_NORMS = 16  # steps of global gradient norms kept for readers behind the host stream
 
 
 def _norm(v: torch.Tensor) -> float:
@@ -146,6 +147,10 @@ class HostStore:
         self._merged: set[str] = set()  # owners whose borrowers' tied gradients were added this step
         self.clip_coef: torch.Tensor | None = None
         self.last_grad_norm: float | None = None
+        # NOTE: per engine step, set by that step's clip_grads on the host stream, which may run behind the
+        # compute: a reader waits for its step's entry (grad_norm) rather than reading last_grad_norm
+        self.grad_norms: dict[int, float] = {}
+        self._norms_ready = threading.Condition()
         self.check_finite = False  # the Trainer turns it on (--on-nan); tests of the math leave it off
         self.stop_on_fault = False  # --on-nan abort: after a fault, no further update at all
         self.faults: list[tuple[int, str]] = []  # (engine step index, what was not finite), drained by the Trainer
@@ -366,6 +371,11 @@ class HostStore:
         self._merge_tied_grads()
         total = self._global_norm([n for st in self.units.values() for n in self._norms(st)])
         self.last_grad_norm = float(total)
+        with self._norms_ready:
+            self.grad_norms[step] = self.last_grad_norm
+            for old in [s for s in self.grad_norms if s < step - KEEP_GRAD_NORMS]:
+                del self.grad_norms[old]
+            self._norms_ready.notify_all()
         self.clip_coef = clip_coefficient(total, self.optim.clip_norm) if self.optim.clip_norm else None
         if self.check_finite:
             self._barrier_step = step
@@ -391,6 +401,13 @@ class HostStore:
     def _agree(self, fault: str | None) -> str | None:
         """The step's verdict at the barrier: this store's (a sharded store: the first rank's that found one)."""
         return fault
+
+    def grad_norm(self, step: int, timeout: float) -> float | None:
+        """The global gradient norm clip_grads found at engine step `step`, waiting up to `timeout` seconds for
+        it to run; None if it has not run by then (or was dropped: only the last few steps are kept)."""
+        with self._norms_ready:
+            self._norms_ready.wait_for(lambda: step in self.grad_norms, timeout)
+            return self.grad_norms.get(step)
 
     def step_unit(self, unit: str, lr: float, step: int = -1, host_grad: int | None = None) -> None:
         """AdamW under the policy on one unit's masters (host_state.adamw_step), then its buffers' update

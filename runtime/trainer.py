@@ -250,6 +250,9 @@ class Trainer:
         self.source = emit(self.plan)
         self.program = load(self.source)
         self._check_host_memory()
+        # the process is held to the budget the plan was made for, less the reserve the plan keeps for what
+        # the allocator never sees (CUDA context, library workspaces)
+        self.device.limit_allocator(self.plan.gpu_budget_bytes - self.plan.hardware.reserved_bytes)
         if self.comm is None:
             self.store = HostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
                                    program=self.plan.program, device=self.device.kind, init=init)
@@ -388,8 +391,22 @@ class Trainer:
     # -- training ----------------------------------------------------------------------------------------------
     @property
     def planned_peak_device_bytes(self) -> int:
-        """What the device's measured peak is compared with: program buffers on sim, everything on cuda."""
-        return self.plan.peak_buffer_bytes if self.device.kind == "sim" else self.plan.peak_gpu_bytes
+        """What the device's measured allocated peak is compared with: program buffers on sim (the pool counts
+        them exactly), buffers and workspace on cuda (max_memory_allocated: no reserve, no allocator margin)."""
+        return self.plan.peak_buffer_bytes if self.device.kind == "sim" else self.plan.peak_device_bytes
+
+    def planned_memory(self) -> dict[str, int]:
+        """The plan's figures beside the device's memory_report(), like with like: `planned_peak_device_bytes`
+        with `peak_device_bytes`; on cuda `planned_peak_reserved_bytes` (buffers and workspace with the
+        allocator margin) with `peak_reserved_bytes`, and `planned_peak_gpu_bytes` (with the reserve for the
+        context) with `device_used_bytes`; `gpu_budget_bytes`, which the process is held to."""
+        out = {"planned_peak_device_bytes": self.planned_peak_device_bytes,
+               "gpu_budget_bytes": self.plan.gpu_budget_bytes}
+        if self.device.kind != "sim":
+            hw = self.plan.hardware
+            out["planned_peak_reserved_bytes"] = self.plan.peak_gpu_bytes - hw.reserved_bytes
+            out["planned_peak_gpu_bytes"] = self.plan.peak_gpu_bytes
+        return out
 
     def train_step(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         lr = lr_at(self.train, self.step)
@@ -457,13 +474,13 @@ class Trainer:
         dt = time.perf_counter() - t0
         self._handle_faults(loss)
         rec = {"step": self.step, "loss": loss, "lr": lr_at(self.train, self.step - 1), "step_time_s": dt,
-               "tokens_per_s": self.train.tokens_per_step / dt, "peak_device_bytes": self.device.measured_peak_bytes(),
-               "planned_peak_device_bytes": self.planned_peak_device_bytes,
-               "predicted_step_time_s": self.plan.step_time_s}
+               "tokens_per_s": self.train.tokens_per_step / dt, **self.device.memory_report(),
+               **self.planned_memory(), "predicted_step_time_s": self.plan.step_time_s}
         if eval_every and self.step % eval_every == 0:
             rec["val_loss"] = self.validation_loss()
-        if self.store.last_grad_norm is not None:
-            rec["grad_norm"] = self.store.last_grad_norm
+        norm = self.engine.grad_norm()  # this step's, once its clip_grads has run (the host stream may lag)
+        if norm is not None:
+            rec["grad_norm"] = norm
         rec.update(self.engine.routing_metrics())
         return rec
 

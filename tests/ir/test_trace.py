@@ -38,6 +38,30 @@ def test_forward_flops_match_analytic(seq):
     assert 1.8 < sum(u.flops_bwd for u in ir.units) / traced < 2.6
 
 
+@pytest.mark.parametrize("target, dtype", [("cuda", "bf16"), ("cpu", "fp32"), ("cpu", "bf16")])
+def test_head_backward_counts_its_three_matmuls(target, dtype):
+    """The head's backward recomputes each chunk's logits and multiplies twice (dh, dW): 3 x 2NVd FLOPs. The
+    dW product accumulates in fp32 (`addmm(out=)` or, on a GPU in bf16, `addmm(out_dtype=float32, out=)`),
+    which FlopCounterMode counts, unlike the `addmm_` it replaced (the planner under-priced the head)."""
+    c = preset("tiny")
+    ir = trace(c, 2, 64, dtype, target=target, loss_chunk=48)
+    head = ir.units[-1]
+    logits = 2 * 2 * 64 * c.vocab_size * c.d_model
+    assert (head.flops_fwd, head.flops_bwd) == (logits, 3 * logits)
+
+
+def test_the_older_torch_fallback_of_the_head_gradient_counts_the_same(monkeypatch):
+    """Where addmm(out_dtype=float32) refuses an fp32 accumulator, dW is mm(out_dtype=float32) a vocabulary
+    block at a time: the same FLOPs, a temporary no larger than the bf16 logit gradient."""
+    from megatrain.models import loss
+
+    want = trace(preset("tiny"), 2, 64, "bf16", target="cuda").units[-1]
+    monkeypatch.setitem(loss._FP32_ACCUMULATOR, "meta", False)
+    got = trace(preset("tiny"), 2, 64, "bf16", target="cuda").units[-1]
+    assert got.flops_bwd == want.flops_bwd
+    assert got.peak_bwd_bytes <= want.peak_bwd_bytes + 2 * 64 * preset("tiny").vocab_size * 2
+
+
 def test_units_carries_and_params():
     c = preset("tiny")
     ir = trace(c, 2, 64, "fp32")
