@@ -87,6 +87,7 @@ class Engine:
         self.gathered_routing: dict[str, list] = {}  # every rank's records of a unit, global order (a world)
         self.gathered = frozenset(i.unit for i in program.instrs if i.op == "all_gather")  # its sharded units
         self.timeline: list[tuple] | None = None  # (stream, label, start, end, pool bytes) when tracing
+        self.finals: dict[int, float] = {}  # engine step -> perf_counter time its state was final
         self.staging = Staging(device, STAGING_BYTES, store.checkpoint_staging)  # long checkpoints' copies
         self._clips = any(i.op == "clip_grads" for i in program.instrs)
         self._allocate_static()
@@ -137,13 +138,30 @@ class Engine:
         self.device.submit("compute", place, "begin(batch)")
 
     def end(self) -> float:
-        """Wait for this step's compute (not its host optimizer) and return the mean token loss."""
+        """Wait for this step's compute (not its host optimizer) and return the mean token loss. A marker
+        behind the step's last host-stream op notes when its state is final (`final_time`)."""
+        step, finals = self.step_index, self.finals
+
+        def mark():
+            finals[step] = time.perf_counter()
+            while len(finals) > 64:  # NOTE: only the last few steps are ever asked for
+                finals.pop(next(iter(finals)))
+
+        self.device.submit("host", mark, f"end of step {step}")
         self.device.synchronize("compute")
         self.step_index += 1
         total = float(sum(float(x) for x in self.losses))
         if self.comm is not None:
             total = self.comm.sum([total], what="the step's loss")[0]
         return total / self.n_tokens
+
+    def final_time(self, step: int, wait: bool = True) -> float | None:
+        """The perf_counter time when engine step `step`'s host stream finished, i.e. when its master weights
+        and moments were final; None if not yet (`wait=False`). Waiting drains the host stream up to that step
+        (the other streams run on)."""
+        if step not in self.finals and wait:
+            self.device.synchronize("host")
+        return self.finals.get(step)
 
     def grad_norm(self, step: int | None = None) -> float | None:
         """The global gradient norm of engine step `step` (default: the step `end()` last finished), once that
