@@ -53,7 +53,8 @@ echo "gpu/run.sh: $GPU"
 
 # the files that hold CUDA tests (tests/test_gpu_script.py checks the list): collecting all of tests/ would
 # need the planner tests' hypothesis, which a GPU image may lack
-CUDA_TEST_FILES=(tests/runtime/test_cuda.py tests/runtime/test_device.py)
+CUDA_TEST_FILES=(tests/runtime/test_cuda.py tests/runtime/test_cuda_long.py tests/runtime/test_device.py
+  tests/runtime/test_distributed.py)
 MEGATRAIN_REQUIRE_CUDA=1 timeout "${MEGATRAIN_TEST_S:-140}" "$PY" -P -m pytest -m cuda -x -q \
   --junitxml "$OUT/cuda_tests.xml" "${CUDA_TEST_FILES[@]}"
 TEST_RC=$?

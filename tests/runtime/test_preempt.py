@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from megatrain.runtime.checkpoint import read_manifest, step_dirs
 
 TIMEOUT_S = 240
+STEPS = 24  # long enough that a signal sent after step 2 finds the run mid-training on a loaded machine (with 8,
+# a run could finish and be exiting, where the interpreter's default disposition ends it at once: -2, no message)
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +29,7 @@ def token_file(tmp_path_factory):
     return make_token_files(tmp_path_factory.mktemp("tokens"), "sphinx of black quartz, judge my vow. ")[0]
 
 
-def argv(token_file, ckpt, steps=8, *extra):
+def argv(token_file, ckpt, steps=STEPS, *extra):
     return ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "64",
             "--micro-batch", "2", "--dtype", "fp32", "--steps", str(steps), "--lr", "3e-3", "--warmup", "1",
             "--data", str(token_file), "--no-progress", "--checkpoint-every", str(steps), "--checkpoint-dir",
@@ -71,15 +73,15 @@ def test_sigterm_and_sigint_stop_after_the_step_and_resume_bit_identical(token_f
         assert runs[ck].returncode == code, outs[ck][1][-2000:]
         err = outs[ck][1].strip().splitlines()
         (stopped,) = [s for s, _ in step_dirs(ck)]
-        assert 2 <= stopped < 8
+        assert 2 <= stopped < STEPS
         assert err[-1] == (f"error: stopped by {name} after step {stopped}: checkpoint {ck / f'step-{stopped:08d}'} "
                            f"written; resume with --resume {ck}")
         assert read_manifest(ck / f"step-{stopped:08d}")["step"] == stopped
-    resumed = {ck: start(argv(token_file, ck, 8, "--resume", str(ck)), tmp_path) for ck in (term, intr)}
+    resumed = {ck: start(argv(token_file, ck, STEPS, "--resume", str(ck)), tmp_path) for ck in (term, intr)}
     for ck, p in resumed.items():
         out, err = p.communicate(timeout=TIMEOUT_S)
         assert p.returncode == 0, err[-2000:]
-        want, got = tensors(ref / "step-00000008"), tensors(ck / "step-00000008")
+        want, got = tensors(ref / f"step-{STEPS:08d}"), tensors(ck / f"step-{STEPS:08d}")
         assert want.keys() == got.keys()
         for f in want:
             assert want[f].keys() == got[f].keys() and all((want[f][k] == got[f][k]).all() for k in want[f]), f
