@@ -149,6 +149,90 @@ def table(recs: list[dict], ref: str = "tc-aux") -> str:
     return "\n".join(rows)
 
 
+def verdict(recs: list[dict]) -> str:
+    """The decision rules of docs/RESULTS.md (fixed before the runs) applied to the finished runs: scale effect,
+    threshold estimate at fault, ET beats token choice. The rules count seeds out of 3; with fewer seeds
+    the figures are printed and the rule is reported as not applicable."""
+    val = {(r["arm"], r["pool"], r["seed"]): r["val_loss"] for r in recs}
+    runs = {(r["arm"], r["pool"], r["seed"]): r for r in recs}
+
+    def tc(arm: str, pool: int, seed: int) -> float | None:  # as table(): a TC run of any pool of the seed
+        if (arm, pool, seed) in val:
+            return val[arm, pool, seed]
+        return next((v for (a, _, s), v in sorted(val.items()) if a == arm and s == seed), None)
+
+    def seeds_with(keys: list[tuple[str, int]]) -> list[int]:
+        return sorted(s for s in {s for _, _, s in val}
+                      if all((tc(a, p, s) if a.startswith("tc") else val.get((a, p, s))) is not None for a, p in keys))
+
+    def get(a: str, p: int, s: int) -> float:
+        return tc(a, p, s) if a.startswith("tc") else val[a, p, s]
+
+    def fmt(d: list[float]) -> str:
+        m, lo, hi = paired(d)
+        return f"{m:+.4f} [{lo:+.4f}, {hi:+.4f}]" if len(d) > 1 else f"{m:+.4f}"
+
+    out = []
+    # 1. scale effect: (arm - tc-aux) smaller at 4k than at 1k, for ec and et, on the mean and >= 2 of 3 seeds
+    parts, ok_all, n_min = [], True, 3
+    for arm in ("ec", "et"):
+        ss = seeds_with([(arm, 1024), (arm, 4096), ("tc-aux", 1024), ("tc-aux", 4096)])
+        if not ss:
+            parts.append(f"{arm}: no seed has both pools")
+            ok_all, n_min = False, 0
+            continue
+        ch = [(get(arm, 4096, s) - get("tc-aux", 4096, s)) - (get(arm, 1024, s) - get("tc-aux", 1024, s)) for s in ss]
+        k = sum(c < 0 for c in ch)
+        ok_all &= statistics.mean(ch) < 0 and k >= 2
+        n_min = min(n_min, len(ss))
+        parts.append(f"{arm}: Δ(4k) - Δ(1k) = {fmt(ch)}, smaller at 4k on {k} of {len(ss)} seeds")
+    res = ("supported" if ok_all else "NOT supported") if n_min >= 3 else \
+        f"rule not applicable (needs 3 seeds, has {n_min}); as far as the rule's terms go: " + \
+        ("consistent with it" if ok_all else "not consistent with it")
+    out.append("scale effect: " + "; ".join(parts) + f" -> {res}")
+    # 2. threshold estimate at fault: et above ec at both pools (mean, >= 2 of 3), and off target after warmup
+    parts, above, n_min = [], True, 3
+    for pool in (1024, 4096):
+        ss = seeds_with([("et", pool), ("ec", pool)])
+        if not ss:
+            parts.append(f"pool {pool}: no seed has et and ec")
+            above, n_min = False, 0
+            continue
+        d = [val["et", pool, s] - val["ec", pool, s] for s in ss]
+        k = sum(x > 0 for x in d)
+        above &= statistics.mean(d) > 0 and k >= 2
+        n_min = min(n_min, len(ss))
+        parts.append(f"pool {pool}: et - ec = {fmt(d)}, et above on {k} of {len(ss)}")
+    ets = [r for (a, _, _), r in runs.items() if a == "et"]
+    rate = [_post_warmup(r, "moe_threshold_rate") for r in ets]
+    ept = [_post_warmup(r, "moe_experts_per_token") for r in ets]
+    off = [abs(x - 1) > 0.1 or abs(y - 1) > 0.1 for x, y in zip(rate, ept, strict=True) if x is not None and y is not None]
+    pairs = [(x, y) for x, y in zip(rate, ept, strict=True) if x is not None and y is not None]
+    off_mean = bool(pairs) and (abs(statistics.mean(x for x, _ in pairs) - 1) > 0.1
+                                or abs(statistics.mean(y for _, y in pairs) - 1) > 0.1)
+    parts.append(f"et after warmup: threshold rate {_ms(rate, '.3f')}, experts/token {_ms(ept, '.3f')} (mean over "
+                 f"runs {'off' if off_mean else 'on'} target, > 0.1 from 1 in {sum(off)} of {len(off)} runs)")
+    fault = above and off_mean
+    res = ("supported" if fault else "NOT supported") if n_min >= 3 else \
+        f"rule not applicable (needs 3 seeds, has {n_min}); as far as the rule's terms go: " + \
+        ("consistent with it" if fault else "not consistent with it")
+    out.append("threshold estimate at fault: " + "; ".join(parts) + f" -> {res}")
+    # 3. ET beats token choice: et - tc-aux and et - tc-bias with a paired 95% interval entirely below 0
+    for pool in (1024, 4096):
+        parts, beats = [], True
+        for ref in ("tc-aux", "tc-bias"):
+            ss = seeds_with([("et", pool), (ref, pool)])
+            if len(ss) < 2:
+                parts.append(f"et - {ref}: {len(ss)} seed(s)")
+                beats = False
+                continue
+            d = [val["et", pool, s] - get(ref, pool, s) for s in ss]
+            beats &= paired(d)[2] < 0
+            parts.append(f"et - {ref} = {fmt(d)} ({len(ss)} seeds)")
+        out.append(f"ET beats token choice at pool {pool}: " + "; ".join(parts) + (" -> yes" if beats else " -> not shown"))
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
@@ -179,7 +263,9 @@ def main() -> None:
                     finish(args.results, rec, work)
                     print(f"seed {seed} pool {pool} {arm:8s} val {rec['val_loss']:.4f} ({rec['seconds']:.0f} s)",
                           flush=True)
-    print(table(list(done(args.results).values())))
+    recs = list(done(args.results).values())
+    print(table(recs))
+    print(verdict(recs))
 
 
 if __name__ == "__main__":
