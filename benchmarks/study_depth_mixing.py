@@ -39,6 +39,9 @@ VARIANTS = ("residual", "denseformer", "depthssd:1", "depthssd:8", "hc:4", "attn
 RANK_SWEEP = ("depthssd:2", "depthssd:4")
 ROOT = Path(__file__).resolve().parents[1]
 VAL_BATCHES = 16
+# validation holds every unit's carry-out of a batch (DepthSSD-8: 16 MiB a unit, DenseFormer: the block outputs
+# so far), which outgrew study_runs' 256 MiB pool at 12 blocks; training numbers do not depend on the pool
+BUDGET = 2**30
 
 
 def model(mixing: str, n_layers: int = 12) -> ModelConfig:
@@ -123,7 +126,7 @@ def main() -> None:
                     continue
                 work = args.work / k.replace("|", "_").replace(":", "-")
                 rec = train(k, model(v), spec(args.steps, seed), evals(args.steps), data, work,
-                            args.val_batches)
+                            args.val_batches, budget=BUDGET)
                 rec |= {"variant": v, "seed": seed, "steps": args.steps,
                         "tokens": args.steps * spec(args.steps, seed).tokens_per_step}
                 finish(args.results, rec, work)

@@ -43,11 +43,12 @@ def done(results: Path) -> dict[str, dict]:
 
 
 def train(key: str, config: ModelConfig, spec: TrainSpec, evals: list[int], data, work: Path, val_batches: int,
-          keep: Callable[[dict], dict] | None = None) -> dict:
+          keep: Callable[[dict], dict] | None = None, budget: int = BUDGET) -> dict:
     """Train `spec.total_steps` steps with validation at each step of `evals` (ascending, the last =
     total_steps); resumes from `work` when a previous attempt left a checkpoint there. Returns the run's
     record: key, params, val (step -> loss), per_step (the step records reduced by `keep`), wall seconds of
-    training and validation (this attempt and earlier ones), and the median tokens/s."""
+    training and validation (this attempt and earlier ones), and the median tokens/s. `budget`: the sim
+    device's pool; the plan it yields does not change the numbers (streamed = eager bit for bit)."""
     steps = spec.total_steps
     assert evals and evals[-1] == steps and evals == sorted(evals), evals
     ckpt, progress_path = work / "ckpt", work / "progress.json"
@@ -60,7 +61,7 @@ def train(key: str, config: ModelConfig, spec: TrainSpec, evals: list[int], data
     # the checkpoint of the last recorded point (a later one may exist if a kill came before its figures)
     last = max((int(s) for s in progress["val"]), default=0)
     resume = ckpt / f"step-{last:08d}" if last else None
-    with Trainer(config, spec, BUDGET, data=data[0], val_data=data[1], checkpoint_dir=ckpt,
+    with Trainer(config, spec, budget, data=data[0], val_data=data[1], checkpoint_dir=ckpt,
                  keep_checkpoints=2, resume=resume) as t:
         for point in evals:
             if point <= t.step:
