@@ -17,7 +17,7 @@ mode: ET and EC route by the pure test r >= c_eff (causal), TC by its top-1.
 
 Arms:
 - tc-aux: Switch aux loss, alpha 1e-2.
-- tc-bias: DeepSeek loss-free bias, u = 2 / (0.1 x steps) (1e-2 at 200 steps): b can move by 2 logits, the
+- tc-bias: DeepSeek loss-free bias, u = 2 / (0.1 x steps) (0.1 at 200 steps): b can move by 2 logits, the
   spread of the router's logits, within a tenth of the run (tests/models/test_moe.py checks the rate).
 - ec: expert choice top-k over the pool in training; its EMA of the per-step k-th logits (momentum below)
   is its causal threshold at evaluation (the paper's evaluation of EC).
