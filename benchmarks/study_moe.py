@@ -105,7 +105,7 @@ def _ms(vals: list[float | None], fmt: str) -> str:
     vals = [v for v in vals if v is not None]
     if not vals:
         return "-"
-    sd = f" ± {statistics.stdev(vals):{fmt}}" if len(vals) > 1 else ""
+    sd = f" ± {statistics.stdev(vals):{fmt.lstrip('+')}}" if len(vals) > 1 else ""
     return f"{statistics.mean(vals):{fmt}}{sd}"
 
 
