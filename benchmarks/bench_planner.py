@@ -55,3 +55,15 @@ def test_tune_end_to_end_with_tracing(benchmark):
     result, seconds = benchmark.pedantic(run, rounds=1, iterations=1)
     assert len(result.rows) == 32
     benchmark.extra_info["seconds"] = round(seconds, 2)
+
+
+def test_plan_llama3_8b_at_1m_tokens_with_tracing(benchmark):
+    """Issue 15: tracing (scaled: the cost does not grow with the sequence) plus planning, under 2 s."""
+    from long_context import plan_case
+
+    plan_case("tiny", 128, "cpu", None)  # torch's one-time setup is not the planner's
+    p, _, _ = benchmark.pedantic(plan_case, args=("llama3-8b", 2**20, "h200", None), rounds=3, iterations=1)
+    benchmark.extra_info.update(chunk_tokens=p.ir.chunk_tokens, step_s=round(p.step_time_s),
+                                peak_gib=round(p.peak_gpu_bytes / 2**30, 1))
+    assert p.feasible and p.ir.chunk_tokens is not None
+    assert benchmark.stats.stats.median < 2.0

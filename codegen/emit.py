@@ -60,9 +60,9 @@ def statement(i: int, ins: Instr, cross_step: bool) -> str:
         pass
     else:
         args.append(_ident(ins.unit, "unit"))
-        if ins.op in ("load_params", "forward", "backward"):
+        if ins.op in ("load_params", "forward", "backward", "all_gather"):
             args.append(f"slot={_int(ins.slot, 'slot')}")
-        if ins.op in ("backward", "store_grads"):
+        if ins.op in ("backward", "store_grads", "reduce_scatter", "all_reduce"):
             args.append(f"grad_slot={_int(ins.grad_slot, 'grad_slot')}")
         if ins.op in ("forward", "backward"):
             args.append(f"mb={_int(ins.mb, 'mb')}")
@@ -74,6 +74,8 @@ def statement(i: int, ins: Instr, cross_step: bool) -> str:
             args.append("rebuild=True")
         if ins.norm:
             args.append("norm=True")
+        if ins.shard:
+            args.append("shard=True")
         if ins.op in ("store_grads", "optimizer_step") and ins.host_grad is not None:
             args.append(f"host_grad={_int(ins.host_grad, 'host_grad')}")
     return f"rt.{ins.op}({', '.join(args)})"

@@ -12,10 +12,10 @@ random --out r.jsonl && megatrain vab report r.jsonl`.
 """
 
 from .agreement import HumanLabel, analyze_agreement, compare_runs, kendall_tau, load_human_labels, mcnemar
-from .base import NUM_TRIALS, PROTOCOLS, Protocol
+from .base import DEFAULT_PARSE, NUM_TRIALS, PARSE_MODES, PROTOCOLS, ParseMode, Protocol
 from .command_judge import CommandJudge
 from .errors import VabError
-from .finetune import FinetunePair, export_pairs
+from .finetune import FinetunePair, check_disjoint, export_pairs
 from .judges import (
     Candidate,
     Judge,
@@ -36,10 +36,11 @@ from .synth import generate_tasks
 from .tasks import Task, load_tasks, write_tasks
 
 __all__ = [
-    "NUM_TRIALS", "PROTOCOLS", "Candidate", "CommandJudge", "FinetunePair", "HumanLabel", "Judge", "JudgeAnswer",
-    "JudgeQuery", "OracleJudge", "PositionJudge", "Protocol", "RandomJudge", "ScoreJudge", "Task", "TrialResult",
-    "VabError", "VabReport", "analyze_agreement", "bootstrap_ci", "build_prompt", "build_report", "compare_runs",
-    "evaluate", "export_pairs", "generate_tasks", "kendall_tau", "load_human_labels", "load_results", "load_scores",
-    "load_tasks", "make_judge", "mcnemar", "parse_answer", "pick_best", "pick_best_and_worst", "pick_worst",
-    "random_baseline", "run_eval", "run_trial", "trial_orders", "write_tasks",
+    "DEFAULT_PARSE", "NUM_TRIALS", "PARSE_MODES", "PROTOCOLS", "Candidate", "CommandJudge", "FinetunePair",
+    "HumanLabel", "Judge", "JudgeAnswer", "JudgeQuery", "OracleJudge", "ParseMode", "PositionJudge",
+    "Protocol", "RandomJudge", "ScoreJudge", "Task", "TrialResult", "VabError", "VabReport",
+    "analyze_agreement", "bootstrap_ci", "build_prompt", "build_report", "check_disjoint", "compare_runs",
+    "evaluate", "export_pairs", "generate_tasks", "kendall_tau", "load_human_labels", "load_results",
+    "load_scores", "load_tasks", "make_judge", "mcnemar", "parse_answer", "pick_best", "pick_best_and_worst",
+    "pick_worst", "random_baseline", "run_eval", "run_trial", "trial_orders", "write_tasks",
 ]

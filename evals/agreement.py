@@ -31,7 +31,7 @@ from pydantic import model_validator
 from .base import VabModel
 from .errors import VabError
 from .jsonl import read_models
-from .metrics import task_outcomes
+from .metrics import parse_mode, task_outcomes
 from .protocol import TrialResult
 
 
@@ -219,7 +219,14 @@ def load_human_labels(path: str | Path) -> list[HumanLabel]:
 
 
 def compare_runs(a: list[TrialResult], b: list[TrialResult], metric: str = "tb1") -> McNemarResult:
-    """McNemar on per-task pass^3 of `metric` between two runs, over the tasks both ran."""
+    """McNemar on per-task pass^3 of `metric` between two runs, over the tasks both ran.
+
+    Both runs must share one parse mode: pass^3 outcomes of an official and a strict run are not comparable.
+    """
+    mode_a, mode_b = parse_mode(a), parse_mode(b)
+    if mode_a != mode_b:
+        raise VabError(f"cannot compare a run parsed in {mode_a} mode with one parsed in {mode_b} mode; "
+                       f"rerun one of them with `vab run --parse {mode_a}` (into a new --out)")
     out_a, out_b = task_outcomes(a, metric), task_outcomes(b, metric)
     common = sorted(set(out_a) & set(out_b))
     if not common:

@@ -17,6 +17,12 @@ from .errors import VabError
 
 Protocol = Literal["pick_best", "pick_worst", "pick_best_and_worst"]
 
+# How text answers are read and scored (prompts.parse_answer, metrics.build_report; docs/VAB.md):
+# "official" as the official evaluator (comparable with published numbers), "strict" the stricter reading.
+ParseMode = Literal["strict", "official"]
+PARSE_MODES: tuple[ParseMode, ...] = ("official", "strict")
+DEFAULT_PARSE: ParseMode = "official"
+
 # Canonical order: pick_best runs first so that 2-image best+worst trials can be derived from it.
 PROTOCOLS: tuple[Protocol, ...] = ("pick_best", "pick_worst", "pick_best_and_worst")
 

@@ -2,11 +2,13 @@
 
 Where it sits: megatrain/cli.py calls `add_parser(subparsers)`; every leaf parser sets `func(args) -> int`.
 User errors raise VabError (a ValueError): the top-level CLI prints `error: <message>` and exits 2.
+`python -m megatrain.evals.cli vab ...` runs the same commands through `main` here, with the same error
+convention, without importing the training stack.
 
     megatrain vab generate --out tasks.jsonl [--n 90] [--sizes 2,3,4] [--scores scores.jsonl]
-    megatrain vab run --tasks tasks.jsonl --judge SPEC --out results.jsonl [--protocols all]
+    megatrain vab run --tasks tasks.jsonl --judge SPEC --out results.jsonl [--protocols all] [--parse official]
     megatrain vab report results.jsonl [--json report.json] [--compare other.jsonl]
-    megatrain vab export --train train.jsonl --eval eval.jsonl --out pairs.jsonl
+    megatrain vab export --train train.jsonl --eval eval.jsonl --out pairs.jsonl [--no-image-check]
     megatrain vab agreement labels.jsonl [--threshold 5]
 
 Judge specs: oracle, random[:SEED], position[:INDEX], scores:FILE.jsonl, cmd:COMMAND (docs/VAB.md).
@@ -23,11 +25,11 @@ from rich.console import Console
 from megatrain.files import check_outputs, input_path, output_path, write_atomic
 
 from .agreement import analyze_agreement, compare_runs, load_human_labels
-from .base import parse_protocols
+from .base import DEFAULT_PARSE, PARSE_MODES, parse_protocols
 from .errors import VabError
 from .finetune import export_pairs
 from .jsonl import write_models
-from .metrics import METRICS, build_report
+from .metrics import METRICS, build_report, parse_mode
 from .report import print_report, write_report_json
 from .runner import load_results, run_eval
 from .specs import SPEC_HELP, make_judge
@@ -84,9 +86,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     summary = run_eval(tasks, judge, name, args.out, protocols=parse_protocols(args.protocols),
                        retry_failed=args.retry_failed, all_tasks=all_tasks, workers=args.workers,
-                       progress=progress)
+                       progress=progress, parse=args.parse)
     note = " (cut a truncated last line and redid that trial)" if summary.dropped_partial_line else ""
-    print(f"{name}: ran {summary.ran} trials, skipped {summary.skipped} already in {args.out}, "
+    print(f"{name} (parse {args.parse}): ran {summary.ran} trials, skipped {summary.skipped} already in {args.out}, "
           f"{summary.invalid} invalid{note}")
     print(f"next: megatrain vab report {args.out}")
     return 0
@@ -99,12 +101,16 @@ def cmd_report(args: argparse.Namespace) -> int:
     if not results:
         raise VabError(f"{args.results} holds no finished trials; run `megatrain vab run` first")
     report = build_report(results, n_boot=args.boot, confidence=args.confidence, seed=args.seed)
+    other = load_results(args.compare)[0] if args.compare else []
+    if other and parse_mode(other) != report.parse:  # NOTE: refuse before printing anything.
+        raise VabError(f"{args.results} was parsed in {report.parse} mode and {args.compare} in "
+                       f"{parse_mode(other)} mode, so their scores are not comparable; rerun one of them with "
+                       f"`vab run --parse {report.parse}` into a new --out")
     console = Console()
     print_report(report, console)
     if truncated:
         console.print("note: ignored a truncated last line (an interrupted run); `vab run` will redo it")
     if args.compare:
-        other, _ = load_results(args.compare)
         for metric in METRICS:
             try:
                 m = compare_runs(results, other, metric)
@@ -123,7 +129,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     # NOTE: image paths resolve against each file's folder, so the leakage check compares real paths.
     train = load_tasks(args.train, image_root=Path(args.train).resolve().parent)
     eval_tasks = load_tasks(args.eval, image_root=Path(args.eval).resolve().parent)
-    pairs = export_pairs(train, eval_tasks, protocols=parse_protocols(args.protocols), orders=args.orders)
+    pairs = export_pairs(train, eval_tasks, protocols=parse_protocols(args.protocols), orders=args.orders,
+                         check_images=not args.no_image_check)
     write_models(args.out, pairs)
     print(f"wrote {len(pairs)} prompt/answer pairs to {args.out}")
     return 0
@@ -178,6 +185,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--retry-delays", default="2,5,15", help="cmd judge: seconds between attempts")
     p.add_argument("--retry-failed", action="store_true", help="redo trials recorded with an error")
     p.add_argument("--workers", type=int, default=1, help="tasks judged at once (threads; default 1)")
+    p.add_argument("--parse", choices=PARSE_MODES, default=DEFAULT_PARSE,
+                   help="how answers are read and scored: official (first BEST:/WORST: anywhere, best == worst "
+                        "allowed, as the official evaluator: comparable with published numbers; default) or "
+                        "strict (trailing BEST:/WORST: lines only); recorded in every result line")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("report", help="print metrics of a results file and write them as JSON")
@@ -195,6 +206,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, type=output_path, help="pairs file to write (JSONL)")
     p.add_argument("--protocols", default="all")
     p.add_argument("--orders", type=int, default=3, help="presentation orders per task (1-3, default 3)")
+    p.add_argument("--no-image-check", action="store_true",
+                   help="compare task ids and image paths only, not image contents (sha256); for image files "
+                        "that are not on disk, such as synthetic tasks")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("agreement", help="human labels: scores vs direct comparison")
@@ -203,3 +217,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, type=output_path, help="also write the analysis as JSON")
     p.set_defaults(func=cmd_agreement)
 
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m megatrain.evals.cli`: one command, `vab`, as the top-level CLI has it."""
+    parser = argparse.ArgumentParser(prog="python -m megatrain.evals.cli",
+                                     description="Visual Aesthetic Benchmark protocol (docs/VAB.md).")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `vab ...` from `argv`; a user error (a ValueError, an OSError) prints `error: <message>` and
+    returns 2, as the top-level `megatrain` CLI does."""
+    try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        return int(args.func(args) or 0)
+    except (ValueError, OSError) as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

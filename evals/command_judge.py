@@ -1,9 +1,12 @@
 """CommandJudge: an external program as a judge. The prompt goes to its stdin; its stdout is the answer.
 
 Where it sits: built by specs.py from `--judge cmd:"..."`; called by protocol.py like any judge. The
-command runs through the shell with a timeout, once per attempt; the answer must end with the strict
-`BEST: X` / `WORST: Y` lines (prompts.parse_answer). A parse failure, a non-zero exit or a timeout is
-retried up to `attempts` times in all (with a delay only after a command failure); after that the trial is recorded with `error` set and counts as wrong.
+command runs through the shell with a timeout, once per attempt; its answer is read under the query's parse
+mode (prompts.parse_answer: official, the first `BEST: X` / `WORST: Y` anywhere, or strict, trailing lines).
+A parse failure, a non-zero exit or a timeout is retried up to `attempts` times in all (with a delay only
+after a command failure); after that the trial is recorded with `error` set and counts as wrong, with
+`judge_failed` set when the last attempt failed as a command (the official code's API error) rather than
+answering something unparseable.
 Exit codes 126/127 (not executable, not found) stop the run at once: the judge spec is broken.
 
 The command also sees these environment variables: VAB_TASK_ID, VAB_PROTOCOL, VAB_TRIAL, VAB_LABELS
@@ -60,13 +63,13 @@ class CommandJudge:
         if proc.returncode != 0:
             return None, f"command exited {proc.returncode}: {proc.stderr.strip()[-200:]}", text, True
         try:
-            best, worst = parse_answer(proc.stdout, query.protocol, query.labels)
+            best, worst = parse_answer(proc.stdout, query.protocol, query.labels, query.parse)
         except AnswerParseError as exc:
             return None, f"unparseable answer: {exc}", text, False
         return JudgeAnswer(best=best, worst=worst, response=text), "", text, False
 
     def __call__(self, query: JudgeQuery) -> JudgeAnswer:
-        problem, raw = "", None
+        problem, raw, failed = "", None, False
         for attempt in range(self.attempts):
             answer, problem, text, failed = self._attempt(query)
             raw = text if text is not None else raw
@@ -75,4 +78,5 @@ class CommandJudge:
             # NOTE: back off only when the command failed (a rate-limited API, say); a bad parse retries at once.
             if failed and attempt + 1 < self.attempts and self.retry_delays_s:
                 time.sleep(self.retry_delays_s[min(attempt, len(self.retry_delays_s) - 1)])
-        return JudgeAnswer(response=raw, error=f"no valid answer after {self.attempts} attempt(s); last: {problem}")
+        return JudgeAnswer(response=raw, error=f"no valid answer after {self.attempts} attempt(s); last: {problem}",
+                           judge_failed=failed)

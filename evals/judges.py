@@ -26,7 +26,7 @@ from typing import Protocol as TypingProtocol
 
 from pydantic import Field
 
-from .base import Protocol, VabModel
+from .base import DEFAULT_PARSE, ParseMode, Protocol, VabModel
 from .errors import VabError
 from .jsonl import read_models
 from .tasks import Task
@@ -49,6 +49,7 @@ class JudgeQuery(VabModel):
     trial: int
     candidates: tuple[Candidate, ...]
     prompt: str
+    parse: ParseMode = Field(default=DEFAULT_PARSE, description="how a text judge's answer is read (prompts.py)")
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -66,6 +67,8 @@ class JudgeAnswer(VabModel):
     worst: str | None = None
     response: str | None = Field(default=None, description="raw text of a text judge, kept in the results")
     error: str | None = None
+    judge_failed: bool = Field(default=False, description="no answer at all: the judge itself failed (a command "
+                               "that exited non-zero or timed out on its last attempt), not an unparseable answer")
 
 
 class Judge(TypingProtocol):

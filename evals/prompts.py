@@ -1,23 +1,32 @@
-"""Prompt text for the three VAB protocols and the strict parser of `BEST: X` / `WORST: Y` answers.
+"""Prompt text for the three VAB protocols and the two parsers of `BEST: X` / `WORST: Y` answers.
 
 Where it sits: judges.py puts the prompt in every JudgeQuery; command_judge.py sends it to an external
 command and parses the reply here; finetune.py pairs it with the expected answer. The wording follows the
 official evaluation code (reference vab.md section 2.1); images are listed after the text as
 `Image X: <path>`, where the official code interleaves the pictures themselves.
 
-Strict parsing: the answer must end with the line(s) `BEST: X` (pick_best), `WORST: X` (pick_worst) or
-both (pick_best_and_worst, X != Y); nothing may follow them, each line is exactly `TAG: letter`, the
-letter is one of the presented labels (either case). Anything else raises AnswerParseError.
+Two parse modes (base.ParseMode; docs/VAB.md "Parse modes"):
+- official (the default): as `_find_answer` of the official eval.py, which runs
+  `re.search(r"\\bBEST:\\s*([A-Za-z])\\b", text)` (the same for WORST) on the whole text. The first match
+  anywhere wins, even an early mention in the reasoning; the tag is case-sensitive (`Best: A` does not
+  match), the letter is not (`BEST: a` is A); the letter must stand alone (`BEST: A.` and `**BEST: A**`
+  match, `BEST: **A**`, `**BEST:** A` and `BEST: Apple` do not, and the search goes on past them). A first
+  match that is not a presented label is a parse failure (no later match is tried); best == worst is
+  accepted.
+- strict: the answer must end with the line(s) `BEST: X` (pick_best), `WORST: X` (pick_worst) or both
+  (pick_best_and_worst, X != Y); nothing may follow them, each line is exactly `TAG: letter`, the letter
+  is one of the presented labels (either case).
+Anything else raises AnswerParseError.
 
 Try it: `python -c "from megatrain.evals.prompts import parse_answer; print(parse_answer('hm\\nBEST: b',
-'pick_best', ('A', 'B')))"`.
+'pick_best', ('A', 'B'), 'strict'))"`.
 """
 
 from __future__ import annotations
 
 import re
 
-from .base import Protocol
+from .base import DEFAULT_PARSE, ParseMode, Protocol
 
 _INTRO = ("You will be shown {n} images labeled {labels}. Evaluate the overall aesthetic quality of each image, "
           "considering composition, color, technique, and artistic expression.")
@@ -40,9 +49,12 @@ _FORMAT = {
 
 _LINE = re.compile(r"^(BEST|WORST):\s*([A-Za-z])\s*$")
 
+# NOTE: the official eval.py builds rf'\b{tag.upper()}:\s*([A-Za-z])\b' and calls re.search with no flags.
+OFFICIAL_PATTERNS = {tag: re.compile(rf"\b{tag}:\s*([A-Za-z])\b") for tag in ("BEST", "WORST")}
+
 
 class AnswerParseError(ValueError):
-    """A judge's text answer does not end in the required `BEST:` / `WORST:` lines."""
+    """A judge's text answer gives no usable `BEST:` / `WORST:` answer under the parse mode."""
 
 
 def build_prompt(protocol: Protocol, labels: tuple[str, ...], images: tuple[str, ...]) -> str:
@@ -67,14 +79,51 @@ def format_answer(protocol: Protocol, best: str | None, worst: str | None) -> st
     return "\n".join(lines)
 
 
-def parse_answer(text: str, protocol: Protocol, labels: tuple[str, ...]) -> tuple[str | None, str | None]:
+def _wanted(protocol: Protocol) -> tuple[str, ...]:
+    return {"pick_best": ("BEST",), "pick_worst": ("WORST",), "pick_best_and_worst": ("BEST", "WORST")}[protocol]
+
+
+def parse_answer(text: str, protocol: Protocol, labels: tuple[str, ...],
+                 mode: ParseMode = DEFAULT_PARSE) -> tuple[str | None, str | None]:
+    """(best, worst) presented labels of a text answer under `mode`; AnswerParseError when there is none.
+
+    The tag(s) the protocol does not ask for are ignored and come back as None.
+    """
+    if mode == "official":
+        return parse_official(text, protocol, labels)
+    if mode == "strict":
+        return parse_strict(text, protocol, labels)
+    raise ValueError(f"unknown parse mode {mode!r}; use official or strict")
+
+
+def parse_official(text: str, protocol: Protocol, labels: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """(best, worst) as the official evaluator reads them: the first `TAG: X` match anywhere in `text`.
+
+    X is upper-cased and must be one of `labels`; best == worst is allowed (module docstring).
+    """
+    found: dict[str, str] = {}
+    for tag in _wanted(protocol):
+        match = OFFICIAL_PATTERNS[tag].search(text)
+        if match is None:
+            raise AnswerParseError(f"no `{tag}: X` anywhere in the answer (official regex "
+                                   f"{OFFICIAL_PATTERNS[tag].pattern}; the tag is case-sensitive)")
+        letter = match.group(1).upper()
+        if letter not in labels:
+            raise AnswerParseError(f"the first {tag} match is {match.group(0)!r}: {letter} is not one of the "
+                                   f"presented labels {', '.join(labels)} (the official parser takes only the "
+                                   "first match)")
+        found[tag] = letter
+    return found.get("BEST"), found.get("WORST")
+
+
+def parse_strict(text: str, protocol: Protocol, labels: tuple[str, ...]) -> tuple[str | None, str | None]:
     """(best, worst) presented labels from the answer block that ends `text`; AnswerParseError if malformed.
 
     The answer block is the run of trailing non-empty lines that start with `BEST:` or `WORST:`. Each must
     be exactly `TAG: X`, no tag may repeat, and the block must hold the tag(s) the protocol asks for; a tag
     it does not ask for is ignored (a judge may always print both lines).
     """
-    wanted = {"pick_best": ("BEST",), "pick_worst": ("WORST",), "pick_best_and_worst": ("BEST", "WORST")}[protocol]
+    wanted = _wanted(protocol)
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     block: list[str] = []
     while lines and lines[-1].startswith(("BEST:", "WORST:")):

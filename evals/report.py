@@ -1,8 +1,9 @@
 """Printing and saving a VabReport: rich tables for the terminal, JSON for the record.
 
 Where it sits: the last step of `megatrain vab report RESULTS` (cli.py), after metrics.build_report.
-Tables: overall (pass^3 and ap@1 with intervals, the ap@1 - pass^3 gap that measures position
-sensitivity, the random baseline), then tb1 / top1 / bot1 pass^3 by domain and by set size. Metric
+The title names the parse mode of the results (official or strict): the numbers of one mode are not
+comparable with the other's. Tables: overall (pass^3 and ap@1 with intervals, the ap@1 - pass^3 gap
+that measures position sensitivity, the random baseline), then tb1 / top1 / bot1 pass^3 by domain and by set size. Metric
 names as in metrics.py: top1 (best), bot1 (worst), tb1 (both, joint prompt), tb1_best, tb1_worst.
 
 Try it: `megatrain vab report r.jsonl` after `megatrain vab run ... --out r.jsonl`.
@@ -19,6 +20,15 @@ from megatrain.files import write_atomic
 
 from .metrics import Estimate, GroupReport, VabReport
 
+PARSE_NOTES = {
+    "official": "first BEST:/WORST: anywhere, counted as the official evaluator (comparable with published numbers)",
+    "strict": "trailing BEST:/WORST: lines only, every trial counted (not comparable with published numbers)",
+}
+INVALID_NOTES = {
+    "official": "scored wrong; tb1 ap@1 leaves them out, as the official summarize.py",
+    "strict": "scored wrong",
+}
+
 
 def _pct(x: float) -> str:
     return f"{100 * x:.1f}"
@@ -30,7 +40,8 @@ def _est(e: Estimate) -> str:
 
 def overall_table(report: VabReport) -> Table:
     conf = f"{100 * report.confidence:g}% CI"
-    table = Table(title=f"VAB: {', '.join(report.judges)} on {report.n_tasks} tasks (percent [{conf}])")
+    table = Table(title=f"VAB: {', '.join(report.judges)} on {report.n_tasks} tasks, parse {report.parse} "
+                        f"(percent [{conf}])")
     for col in ("metric", "pass^3", "ap@1", "gap", "random p^3/ap@1", "n"):
         table.add_column(col, justify="left" if col == "metric" else "right")
     for name, row in report.overall.metrics.items():
@@ -60,7 +71,12 @@ def print_report(report: VabReport, console: Console | None = None) -> None:
     shown = tuple(m for m in ("tb1", "top1", "bot1") if m in report.overall.metrics)
     console.print(breakdown_table("domain", report.by_domain, shown))
     console.print(breakdown_table("n_images", report.by_n_images, shown))
-    notes = [f"{report.n_trials} trials, {report.n_invalid} invalid answers (scored wrong)"]
+    notes = [f"parse mode {report.parse}: {PARSE_NOTES[report.parse]}",
+             f"{report.n_trials} trials, {report.n_invalid} invalid answers ({INVALID_NOTES[report.parse]})"]
+    if report.n_judge_failed:
+        left = "left out of ap@1, and of pass^3 where no trial of a task is left" if report.parse == "official" \
+            else "scored wrong"
+        notes.append(f"{report.n_judge_failed} of them judge failures ({left}); `vab run --retry-failed` redoes them")
     if report.incomplete_tasks:
         notes.append(f"{report.incomplete_tasks} task(s) miss trials (scored wrong); rerun `vab run` to finish")
     console.print("; ".join(notes))

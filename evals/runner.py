@@ -5,8 +5,8 @@ reads the file back with load_results. The results file is JSON Lines, one Trial
 each line flushed and fsynced before the next trial starts. On a rerun:
 - complete lines are kept and their (task_id, protocol, trial) keys are skipped;
 - a truncated last line (the process was killed mid-write) is cut off and that trial is redone;
-- a malformed complete line, a line from another judge or for a task that is not in the task file
-  stops the run with a VabError (the file is not what this run would write).
+- a malformed complete line, a line from another judge, parsed in another parse mode or for a task that
+  is not in the task file stops the run with a VabError (the file is not what this run would write).
 `retry_failed=True` also redoes trials recorded with an error; the newer line wins when reading.
 
 Try it: `megatrain vab generate --out t.jsonl && megatrain vab run --tasks t.jsonl --judge random
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .base import NUM_TRIALS, PROTOCOLS, Protocol, VabModel
+from .base import DEFAULT_PARSE, NUM_TRIALS, PROTOCOLS, ParseMode, Protocol, VabModel
 from .errors import VabError
 from .jsonl import append_line, describe_validation_error
 from .judges import Judge
@@ -80,12 +80,16 @@ def load_results(path: str | Path, repair: bool = False) -> tuple[list[TrialResu
     return list(by_key.values()), truncated
 
 
-def _check_compatible(path: Path, results: Iterable[TrialResult], tasks: list[Task], judge_name: str) -> None:
+def _check_compatible(path: Path, results: Iterable[TrialResult], tasks: list[Task], judge_name: str,
+                      parse: ParseMode) -> None:
     by_id = {t.task_id: t for t in tasks}
     for r in results:
         if r.judge != judge_name:
             raise VabError(f"{path} holds results of judge {r.judge!r}, not {judge_name!r}; "
                            "pass the same --judge to resume or a new --out")
+        if r.parse != parse:
+            raise VabError(f"{path} holds answers parsed in {r.parse} mode, not {parse}; "
+                           f"pass --parse {r.parse} to resume it or a new --out")
         task = by_id.get(r.task_id)
         if task is None:
             raise VabError(f"{path} holds task {r.task_id!r}, which is not in the task file; "
@@ -95,7 +99,7 @@ def _check_compatible(path: Path, results: Iterable[TrialResult], tasks: list[Ta
                            "pass a new --out")
 
 
-def _run_task(task: Task, protocols: tuple[Protocol, ...], judge: Judge, judge_name: str,
+def _run_task(task: Task, protocols: tuple[Protocol, ...], judge: Judge, judge_name: str, parse: ParseMode,
               done: dict[Key, TrialResult], redo: Callable[[TrialResult], bool],
               emit: Callable[[TrialResult], None]) -> tuple[int, int]:
     """Run the unfinished trials of one task, emitting each; (ran, skipped)."""
@@ -110,7 +114,7 @@ def _run_task(task: Task, protocols: tuple[Protocol, ...], judge: Judge, judge_n
             if protocol == "pick_best_and_worst" and task.size == 2 and source is not None:
                 result = derive_pair(task, source)
             else:
-                result = run_trial(task, protocol, trial, judge, judge_name)
+                result = run_trial(task, protocol, trial, judge, judge_name, parse)
             done[key] = result
             emit(result)
             ran += 1
@@ -118,20 +122,22 @@ def _run_task(task: Task, protocols: tuple[Protocol, ...], judge: Judge, judge_n
 
 
 def evaluate(tasks: list[Task], judge: Judge, judge_name: str = "judge",
-             protocols: tuple[Protocol, ...] = PROTOCOLS) -> list[TrialResult]:
-    """All trials of all tasks, in memory (no file, no resume)."""
+             protocols: tuple[Protocol, ...] = PROTOCOLS, parse: ParseMode = DEFAULT_PARSE) -> list[TrialResult]:
+    """All trials of all tasks, in memory (no file, no resume), read and scored in parse mode `parse`."""
     done: dict[Key, TrialResult] = {}
     out: list[TrialResult] = []
     for task in tasks:
-        _run_task(task, protocols, judge, judge_name, done, lambda r: False, out.append)
+        _run_task(task, protocols, judge, judge_name, parse, done, lambda r: False, out.append)
     return out
 
 
 def run_eval(tasks: list[Task], judge: Judge, judge_name: str, out: str | Path,
              protocols: tuple[Protocol, ...] = PROTOCOLS, retry_failed: bool = False,
              all_tasks: list[Task] | None = None, fsync: bool = True, workers: int = 1,
-             progress: Callable[[int, int], None] | None = None) -> RunSummary:
+             progress: Callable[[int, int], None] | None = None, parse: ParseMode = DEFAULT_PARSE) -> RunSummary:
     """Run the trials of `tasks` missing from `out`, appending one durable line per trial.
+
+    `parse` is the parse mode (prompts.py) of every trial; a file written in another mode is refused.
 
     `all_tasks` (default `tasks`) is the whole task file, for checking results of tasks outside `tasks`.
     `workers` > 1 judges that many tasks at once in threads (the judge must be thread-safe; all judges
@@ -142,7 +148,7 @@ def run_eval(tasks: list[Task], judge: Judge, judge_name: str, out: str | Path,
         raise VabError(f"workers is {workers}; use 1 or more")
     path = Path(out)
     existing, truncated = load_results(path)
-    _check_compatible(path, existing, all_tasks or tasks, judge_name)
+    _check_compatible(path, existing, all_tasks or tasks, judge_name, parse)
     if truncated:  # NOTE: cut the partial tail only once the file is known to be ours.
         _split_complete(path, repair=True)
     done = {r.key: r for r in existing}
@@ -160,7 +166,7 @@ def run_eval(tasks: list[Task], judge: Judge, judge_name: str, out: str | Path,
                 counts["invalid"] += not result.valid
 
         def one(task: Task) -> None:
-            ran, skipped = _run_task(task, protocols, judge, judge_name, done, redo, emit)
+            ran, skipped = _run_task(task, protocols, judge, judge_name, parse, done, redo, emit)
             with lock:
                 counts["ran"] += ran
                 counts["skipped"] += skipped

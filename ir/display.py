@@ -75,5 +75,27 @@ def model_ir_table(ir: ModelIR, collapse: bool = True) -> Table:
     return t
 
 
+def notes(ir: ModelIR) -> list[str]:
+    """What the table's figures are, for a long-sequence trace: scaled, and priced at other chunk sizes."""
+    out = []
+    if ir.traced_seq_len is not None:
+        out.append(f"traced at {ir.traced_seq_len:,} tokens and scaled to {ir.seq_len:,} (ir/scaled.py): bytes and "
+                   "FLOPs exact, graph nodes extrapolated")
+    if ir.chunk_tokens is not None:
+        out.append(f"units tiled in chunks of {ir.chunk_tokens:,} tokens")
+    attn = sum(u.attn_flops_fwd for u in ir.units) / max(1, sum(u.flops_fwd for u in ir.units))
+    if attn >= 0.01:
+        out.append(f"fused attention: {attn:.0%} of forward FLOPs (counted in full, T x T)")
+    choices = [c for c in ir.chunk_choices if c is not None]
+    if choices:
+        block = max((u for u in ir.units if u.kind == "block"), key=lambda u: u.peak_bwd_bytes, default=None)
+        if block is not None:
+            figs = {o.chunk_tokens: o for o in block.chunk_options}
+            out.append(f"{block.name} tiled (for the planner's chunks pass), peak bwd: " + ", ".join(
+                f"{c:,} tokens {format_bytes(figs[c].peak_bwd_bytes)}" for c in choices[:1] + choices[-1:])
+                + f"; untiled {format_bytes(figs[None].peak_bwd_bytes)}")
+    return out
+
+
 def format_model_ir(ir: ModelIR) -> str:
-    return render(model_ir_table(ir))
+    return render(model_ir_table(ir)) + "".join(line + "\n" for line in notes(ir))

@@ -48,6 +48,19 @@ class ParamSlice(IRModel):
     numel: int
 
 
+class ChunkFigures(IRModel):
+    """A unit's figures when its token-wise work is tiled in chunks of `chunk_tokens` (None: untiled), as the
+    trace priced them for the planner's `chunks` pass; the other fields of UnitIR do not depend on it."""
+
+    chunk_tokens: int | None
+    flops_fwd: int
+    flops_bwd: int = Field(description="includes the tiles' recompute in backward")
+    saved_bytes: int
+    peak_fwd_bytes: int
+    peak_bwd_bytes: int
+    graph_nodes: int
+
+
 class UnitIR(IRModel):
     """One streaming unit: its parameters, carries, costs and memory."""
 
@@ -66,16 +79,23 @@ class UnitIR(IRModel):
     carry_out: tuple[TensorSpec, ...]
     flops_fwd: int = Field(description="forward FLOPs for one micro-batch (FlopCounterMode)")
     flops_bwd: int = Field(description="backward FLOPs for one micro-batch, recompute excluded")
+    attn_flops_fwd: int = Field(0, description="of flops_fwd, the fused attention's: quadratic in the sequence, "
+                                "counted in full (T x T) as FlopCounterMode does, though causal kernels skip half")
+    attn_flops_bwd: int = Field(0, description="of flops_bwd, the fused attention's")
     saved_bytes: int = Field(description="bytes autograd saves for backward, parameters and inputs excluded")
-    peak_fwd_bytes: int = Field(description="peak of bytes allocated inside a no-grad forward, outputs included")
+    peak_fwd_bytes: int = Field(description="peak of bytes allocated inside a no-grad forward, its outputs "
+                                "excluded (the program holds them as the next unit's carry)")
     peak_bwd_bytes: int = Field(
-        description="peak of bytes allocated inside forward-with-grad plus autograd.grad, gradients included"
+        description="peak of bytes allocated inside forward-with-grad plus autograd.grad, the parameters' "
+        "gradients included; the incoming gradient and the carry's gradient excluded (program buffers)"
     )
     graph_nodes: int = Field(0, description="nodes in the torch.fx graph of the unit's template")
     rebuild_bytes: int | None = Field(
         None, description="bytes the forward records so the backward can rebuild the carry-in from the carry-out "
         "(DepthSSD: its sub-layer inputs); None when the unit cannot rebuild"
     )
+    chunk_options: tuple[ChunkFigures, ...] = Field(
+        (), description="the unit's figures untiled and at each candidate chunk size (empty: not priced)")
 
     @property
     def n_params(self) -> int:
@@ -124,6 +144,10 @@ class ModelIR(IRModel):
     edges: tuple[tuple[str, str, str], ...] = Field(
         description="(src unit, dst unit, kind) with kind in carry | skip | tied"
     )
+    chunk_tokens: int | None = Field(None, description="tokens per chunk of the units' tiled token-wise work "
+                                     "(StepInputs.chunk_tokens, models/tiled.py); None: untiled")
+    traced_seq_len: int | None = Field(None, description="the sequence length the templates were traced at when "
+                                       "the figures were scaled to seq_len (ir/scaled.py); None: traced at seq_len")
     trace_seconds: float = 0.0
 
     @property
@@ -137,6 +161,22 @@ class ModelIR(IRModel):
     @property
     def resident_bytes(self) -> int:
         return sum(t.nbytes for t in self.resident)
+
+    @property
+    def chunk_choices(self) -> tuple[int | None, ...]:
+        """The chunk sizes every unit was priced at (None: untiled), in the trace's order."""
+        sets = [tuple(o.chunk_tokens for o in u.chunk_options) for u in self.units]
+        return sets[0] if sets and all(s == sets[0] for s in sets) else ()
+
+    def with_chunk(self, chunk: int | None) -> ModelIR:
+        """This IR with every unit's figures at `chunk` (one of `chunk_choices`) and chunk_tokens set."""
+        if chunk not in self.chunk_choices:
+            raise ValueError(f"chunk size {chunk} was not priced by the trace; choose one of {self.chunk_choices}")
+        units = []
+        for u in self.units:
+            f = next(o for o in u.chunk_options if o.chunk_tokens == chunk)
+            units.append(u.replace(**{k: getattr(f, k) for k in type(f).model_fields if k != "chunk_tokens"}))
+        return self.replace(units=tuple(units), chunk_tokens=chunk)
 
     def unit(self, name: str) -> UnitIR:
         for u in self.units:

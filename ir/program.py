@@ -19,7 +19,11 @@ from pydantic import Field, model_validator
 
 from .base import IRModel
 
-Stream = Literal["compute", "h2d", "d2h", "host"]
+Stream = Literal["compute", "h2d", "d2h", "host", "comm"]
+# offload_act / load_act of a checkpoint longer than this go in chunks of it through two pinned staging buffers
+# per copy stream (runtime/staging.py), pageable host copies; the planner prices the same (planner/transfers.py).
+# Shorter ones (a 70B model's 8k-token carries: 128 MiB) copy directly to their own pinned buffers.
+STAGING_BYTES = 256 * 2**20
 OpName = Literal[
     "alloc",
     "load_params",
@@ -30,6 +34,9 @@ OpName = Literal[
     "store_grads",
     "optimizer_step",
     "clip_grads",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
     "record",
     "wait",
     "free",
@@ -47,8 +54,11 @@ OP_STREAMS: dict[str, tuple[str, ...]] = {
     "store_grads": ("d2h",),
     "optimizer_step": ("host",),
     "clip_grads": ("host",),
-    "record": ("compute", "h2d", "d2h", "host"),
-    "wait": ("compute", "h2d", "d2h", "host"),
+    "all_gather": ("comm",),
+    "reduce_scatter": ("comm",),
+    "all_reduce": ("comm",),
+    "record": ("compute", "h2d", "d2h", "host", "comm"),
+    "wait": ("compute", "h2d", "d2h", "host", "comm"),
     "free": ("compute",),
 }
 
@@ -91,6 +101,10 @@ class Instr(IRModel):
         None, ge=0, description="store_grads / optimizer_step: the host gradient buffer `hgrad{k}` the unit's "
         "gradients land in and are stepped from (None: the unit's own buffer)"
     )
+    shard: bool = Field(
+        False, description="load_params / store_grads of a sharded unit in a world program: only this rank's shard "
+        "of the unit's flat buffer crosses the link (all_gather completes the slot, reduce_scatter made the shard)"
+    )
     reads: tuple[str, ...] = ()
     writes: tuple[str, ...] = ()
     workspace_bytes: int = Field(0, ge=0, description="transient device bytes while this op runs")
@@ -127,13 +141,17 @@ class Instr(IRModel):
             args.append("rebuild=True")
         if self.norm:
             args.append("norm=True")
+        if self.shard:
+            args.append("shard=True")
         return f"[{self.stream:>7}] {self.op}({', '.join(args)})"
 
 
 class Program(IRModel):
     """One optimizer step: buffers, then instructions in program order."""
 
-    n_micro_batches: int = Field(ge=1)
+    n_micro_batches: int = Field(ge=1, description="micro-batches this rank runs per step")
+    world_size: int = Field(1, ge=1, description="ranks running this program together (data parallel); each "
+                            "runs n_micro_batches of the global step's world_size x n_micro_batches")
     buffers: tuple[Buffer, ...]
     instrs: tuple[Instr, ...]
 

@@ -22,6 +22,7 @@ _EXPORTS = {
     "InfeasiblePlanError": "megatrain.planner",
     "emit": "megatrain.codegen",
     "Trainer": "megatrain.runtime.trainer",
+    "Communicator": "megatrain.runtime.distributed",
 }
 
 __all__ = [*_EXPORTS, "__version__"]

@@ -72,13 +72,15 @@ def inspect_json(ir) -> dict:
     return {
         "model": ir.model, "params_total": ir.params_total, "micro_batch": ir.micro_batch,
         "seq_len": ir.seq_len, "dtype": ir.dtype, "depth_mixing": ir.config.get("depth_mixing", "residual"),
+        "traced_seq_len": ir.traced_seq_len, "chunk_tokens": ir.chunk_tokens,
         "flops_fwd": sum(u.flops_fwd for u in ir.units), "flops_bwd": sum(u.flops_bwd for u in ir.units),
         "units": [
             {"name": u.name, "params": u.n_params, "param_bytes": u.param_bytes(ir.dtype),
              "flops_fwd": u.flops_fwd, "flops_bwd": u.flops_bwd, "saved_bytes": u.saved_bytes,
              "carry_in_bytes": u.carry_in_bytes, "carry_out_bytes": u.carry_out_bytes,
              "rebuild_bytes": u.rebuild_bytes,
-             "peak_fwd_bytes": u.peak_fwd_bytes, "peak_bwd_bytes": u.peak_bwd_bytes}
+             "peak_fwd_bytes": u.peak_fwd_bytes, "peak_bwd_bytes": u.peak_bwd_bytes,
+             "attn_flops_fwd": u.attn_flops_fwd, "chunk_options": [o.model_dump() for o in u.chunk_options]}
             for u in ir.units
         ],
     }
@@ -118,7 +120,9 @@ def _is_user_error(e: BaseException) -> bool:
     running out of device memory under a budget that is too small."""
     device = sys.modules.get("megatrain.runtime.device")
     device_errors = (device.DeviceError, device.DeviceOutOfMemory) if device else ()
-    return isinstance(e, (ValueError, OSError, *device_errors))
+    dist = sys.modules.get("megatrain.runtime.distributed")
+    peer_errors = (dist.PeerFailure,) if dist else ()  # another rank failed: this one names it and stops
+    return isinstance(e, (ValueError, OSError, *device_errors, *peer_errors))
 
 
 def _run_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

@@ -244,7 +244,7 @@ class MoEFFN(nn.Module):
         n, e = out.shape[0], self.moe.n_experts
         stats = {}
         if probs is not None:
-            f = torch.tensor(sel.counts, dtype=torch.float32, device=probs.device) / (n * self.moe.top_k)
+            f = sel.counts_t.float() / (n * self.moe.top_k)  # on the device: no copy from the host
             aux = self.moe.aux_loss_coef * e * (f * probs.mean(0)).sum()
             out = _AuxGrad.apply(out, aux * n, ctx.loss_scale)
             stats["aux"] = aux.detach()

@@ -29,6 +29,14 @@ forward reads them and never writes them; `update_buffers` changes them, once pe
 statistics the step's first forwards recorded. A backward's recompute routes exactly like the first forward
 (the buffers have not changed) and records nothing: its step context has no log.
 
+Host syncs (a GPU must not wait for the host in every layer): the routing decision stays on the device (the
+threshold's bias correction and the warmup switch are tensor ops, tokens are grouped by expert with a scatter
+at the known total, no nonzero, mask indexing, bincount or blocking copy), and a routed layer reads one thing
+back: its experts' row counts, which the per-expert loop needs (`host_counts`; expert choice needs none, its
+counts are k each). A training forward records them in its RoutingLog; the backward's recompute replays them
+(`step_context(..., replay=log.counts)`, checked on the device without a read), so it syncs nowhere. The
+statistics travel to the host by non-blocking copies into pinned memory on the d2h stream (`to_host`).
+
 Static shapes for tracing: on the meta device every expert takes ceil(N * top_k / E) tokens, so traced
 FLOPs are those of the expected active tokens; under `capacity_bound()` (the tracer's memory pass) an ET
 expert takes k_max, so traced saved bytes bound what a training step can keep.
@@ -52,19 +60,40 @@ BUFFERS = {"et": (("threshold", "experts"), ("updates", "scalar")), "bias": (("b
 class RoutingLog:
     """What the MoE layers of one unit record in one training forward: one dict of statistics per layer, in
     module order (`cutoff`: the k-th largest logit per expert; `lag`: the threshold lag c_eff - cutoff per
-    expert, once the EMA has an update, and `above`: the pairs with r >= c_eff; `counts`: tokens each expert took; `dropped`, `padded`: capacity drops
-    and pads; `zero`: tokens with no routed expert; `tokens`; `aux`: the aux loss)."""
+    expert and `above`: the pairs with r >= c_eff, meaningful once the EMA has an update (`lagged` 1); `counts`:
+    tokens each expert took; `dropped`, `padded`: capacity drops and pads; `zero`: tokens with no routed
+    expert; `tokens`; `aux`: the aux loss), and per layer that read them, its experts' row counts on the host
+    (`counts`, what a recompute replays)."""
 
     records: list[dict[str, Tensor]] = field(default_factory=list)
+    counts: list[list[int]] = field(default_factory=list)
 
-    def to_host(self) -> list[dict[str, Tensor]]:
-        return [{k: v.to("cpu") for k, v in r.items()} for r in self.records]
+    def to_host(self, copy=None) -> list[dict[str, Tensor]]:
+        """The records on the host; `copy(t)` moves one tensor (default: a blocking `.to("cpu")`; the engine
+        passes its device's non-blocking copy into pinned memory)."""
+        copy = copy or (lambda t: t.to("cpu"))
+        return [{k: copy(v) for k, v in r.items()} for r in self.records]
+
+
+class Replay:
+    """The row counts a training forward read, handed back in order to the recompute of the same unit."""
+
+    def __init__(self, counts: list[list[int]]):
+        self.counts, self.at = counts, 0
+
+    def next(self) -> list[int]:
+        if self.at >= len(self.counts):
+            raise RuntimeError(f"a recompute routed {self.at + 1} MoE layers, but its forward recorded "
+                               f"{len(self.counts)}; the recompute must run the forward's layers in order")
+        self.at += 1
+        return self.counts[self.at - 1]
 
 
 @dataclass(frozen=True)
 class StepContext:
     log: RoutingLog | None  # where a step's first forward records; None in a recompute, which must not
     loss_scale: float  # d(step loss) / d(summed token loss): 1 / the step's target tokens
+    replay: Replay | None = None  # a recompute's row counts, as its forward read them
 
 
 _CONTEXT: ContextVar[StepContext | None] = ContextVar("megatrain_routing_context", default=None)
@@ -72,10 +101,12 @@ _CAPACITY_BOUND: ContextVar[bool] = ContextVar("megatrain_routing_capacity_bound
 
 
 @contextmanager
-def step_context(log: RoutingLog | None, loss_scale: float) -> Iterator[None]:
+def step_context(log: RoutingLog | None, loss_scale: float, replay: list[list[int]] | None = None) -> Iterator[None]:
     """Run a unit as part of a training step: MoE layers record into `log` (when given) and add their aux
-    loss's gradient scaled by `loss_scale`. Without a context a layer records nothing and adds no aux loss."""
-    token = _CONTEXT.set(StepContext(log, loss_scale))
+    loss's gradient scaled by `loss_scale`. Without a context a layer records nothing and adds no aux loss.
+    `replay`: the row counts the unit's forward recorded (its log's `counts`), for a recompute that must
+    route as it did without reading anything back from the device."""
+    token = _CONTEXT.set(StepContext(log, loss_scale, Replay(replay) if replay is not None else None))
     try:
         yield
     finally:
@@ -110,12 +141,14 @@ def capacity(k: int, factor: float, n_tokens: int) -> tuple[int, int]:
 # -- selection -----------------------------------------------------------------------------------------------
 @dataclass
 class Selection:
-    """The (token, expert) pairs a layer computes, grouped by expert: `counts[e]` pairs of expert e."""
+    """The (token, expert) pairs a layer computes, grouped by expert: `counts[e]` pairs of expert e (host ints;
+    `counts_t` the same on the device)."""
 
     token_idx: Tensor  # (R,) int64
     expert_idx: Tensor  # (R,) int64
     counts: list[int]
     stats: dict[str, Tensor] = field(default_factory=dict)
+    counts_t: Tensor | None = None  # (E,) int64, on the logits' device
 
 
 def select(moe, logits: Tensor, buffers: dict[str, Tensor], training: bool) -> Selection:
@@ -133,21 +166,26 @@ def select(moe, logits: Tensor, buffers: dict[str, Tensor], training: bool) -> S
         if moe.router == "ec" and moe.ec_eval == "topk":
             return expert_choice(logits, k)
         return _from_mask(logits >= c_eff)
-    if moe.router == "ec" or int(buffers["updates"]) < moe.warmup_steps:
+    if moe.router == "ec":  # expert choice in training; its EMA of the cutoffs learns for causal evaluation
         sel = expert_choice(logits, k)
+        sel.stats["cutoff"] = logits.topk(k, dim=0).values[k - 1]
     else:
-        sel = threshold_with_capacity(logits, c_eff, k, *capacity(k, moe.capacity_factor, n))
-    sel.stats["cutoff"] = logits.topk(k, dim=0).values[k - 1]
-    if int(buffers["updates"]) > 0:  # the threshold lag: how far the EMA is from this pool's k-th logit
-        sel.stats["lag"] = c_eff - sel.stats["cutoff"]
-        sel.stats["above"] = (logits >= c_eff).sum().float()  # what the pure threshold test would route
+        sel = threshold_with_capacity(logits, c_eff, k, *capacity(k, moe.capacity_factor, n),
+                                      warmup=buffers["updates"] < moe.warmup_steps)
+    # the threshold lag (how far the EMA is from this pool's k-th logit) and what the pure threshold test would
+    # route, as tensors (no read of the update count): the host keeps them once the EMA has an update
+    sel.stats["lag"] = c_eff - sel.stats["cutoff"]
+    sel.stats["above"] = (logits >= c_eff).sum().float()
+    sel.stats["lagged"] = (buffers["updates"] > 0).float()
     return sel
 
 
 def corrected_threshold(c_raw: Tensor, updates: Tensor, momentum: float) -> Tensor:
-    """c_eff = c_raw / (1 - beta^n), the bias-corrected EMA; c_raw itself (0) before the first update."""
-    n = int(updates)
-    return c_raw / (1.0 - momentum**n) if n > 0 else c_raw
+    """c_eff = c_raw / (1 - beta^n), the bias-corrected EMA; c_raw itself (0) before the first update. On the
+    device (beta^n in fp64, as Python computes it): no read of n."""
+    n = updates.to(torch.float64)
+    denom = (1.0 - torch.pow(torch.full_like(n, momentum), n)).to(c_raw.dtype)
+    return torch.where(n > 0, c_raw / torch.where(n > 0, denom, 1.0), c_raw)
 
 
 def expert_choice(logits: Tensor, k: int) -> Selection:
@@ -155,17 +193,23 @@ def expert_choice(logits: Tensor, k: int) -> Selection:
     return _static(logits, k)
 
 
-def threshold_with_capacity(logits: Tensor, c_eff: Tensor, k: int, k_min: int, k_max: int) -> Selection:
+def threshold_with_capacity(logits: Tensor, c_eff: Tensor, k: int, k_min: int, k_max: int,
+                            warmup: Tensor | bool = False) -> Selection:
     """Tokens with r >= c_eff, at most k_max (the lowest dropped) and at least k_min (padded with the next
-    highest below the threshold) per expert."""
-    top = logits.topk(k_max, dim=0).indices.T  # (E, k_max), each row by descending logit
+    highest below the threshold) per expert; while `warmup` (a device bool: updates < warmup_steps), expert
+    choice instead: each expert's k highest. Either way the k-th largest logit (`cutoff`) is recorded."""
+    values, top = logits.topk(k_max, dim=0)  # (k_max, E), each column by descending logit
+    top = top.T  # (E, k_max)
     above = (logits >= c_eff).sum(0)
-    take = above.clamp(k_min, k_max)
-    token_idx = top[torch.arange(k_max, device=logits.device) < take[:, None]]
-    expert_idx = torch.arange(logits.shape[1], device=logits.device).repeat_interleave(take)
-    stats = {"dropped": (above - k_max).clamp(min=0).sum().float(),
-             "padded": (k_min - above).clamp(min=0).sum().float()}
-    return Selection(token_idx, expert_idx, take.tolist(), stats)
+    warm = torch.as_tensor(warmup, device=logits.device)
+    take = torch.where(warm, k, above.clamp(k_min, k_max))
+    capped = (~warm).float()  # drops and pads count only once thresholds route
+    stats = {"dropped": (above - k_max).clamp(min=0).sum().float() * capped,
+             "padded": (k_min - above).clamp(min=0).sum().float() * capped,
+             "cutoff": values[k - 1]}
+    sel = _grouped(torch.arange(k_max, device=logits.device) < take[:, None], top, take)
+    sel.stats.update(stats)
+    return sel
 
 
 def token_choice(scores: Tensor, top_k: int) -> Selection:
@@ -175,25 +219,78 @@ def token_choice(scores: Tensor, top_k: int) -> Selection:
 
 
 def _from_mask(mask: Tensor) -> Selection:
-    expert_idx, token_idx = mask.T.nonzero(as_tuple=True)
-    return Selection(token_idx, expert_idx, mask.sum(0).tolist())
+    """The pairs of an (N, E) assignment mask, grouped by expert, tokens ascending within each."""
+    n = mask.shape[0]
+    tokens = torch.arange(n, device=mask.device).expand(mask.shape[1], n)
+    return _grouped(mask.T, tokens, mask.sum(0))
+
+
+def _grouped(valid: Tensor, values: Tensor, counts_t: Tensor) -> Selection:
+    """Selection of the `values` (E, M) where `valid`, expert by expert in row order, with `counts_t` (E,) =
+    valid.sum(1). Static shapes but for the total, which the one host read (host_counts) gives: a scatter
+    places each valid entry at its expert's offset plus its rank (each invalid one in a slot of its own past
+    the end, so no two writes meet, then dropped), and repeat_interleave is told its output size."""
+    counts = host_counts(counts_t)
+    total = sum(counts)
+    e, m = valid.shape
+    rank = valid.cumsum(1) - 1
+    offsets = counts_t.cumsum(0) - counts_t
+    spill = total + torch.arange(e * m, device=valid.device).view(e, m)
+    dest = torch.where(valid, offsets[:, None] + rank, spill)
+    flat = torch.empty(total + e * m, dtype=torch.long, device=valid.device)
+    # NOTE: a copy of its own: the gather keeps token_idx for backward, which must not hold the spill slots
+    token_idx = flat.scatter_(0, dest.reshape(-1), values.reshape(-1))[:total].clone()
+    expert_idx = torch.arange(e, device=valid.device).repeat_interleave(counts_t, output_size=total)
+    return Selection(token_idx, expert_idx, counts, counts_t=counts_t)
+
+
+def host_counts(counts_t: Tensor) -> list[int]:
+    """The experts' row counts on the host: the one device read of a routed layer, recorded in the step's log
+    by a training forward, or replayed (and checked on the device, without a read) in its recompute."""
+    ctx = current()
+    if ctx is not None and ctx.replay is not None:
+        counts = ctx.replay.next()
+        _check_replay(counts_t, counts)
+        return counts
+    counts = read_counts(counts_t)
+    if ctx is not None and ctx.log is not None:
+        ctx.log.counts.append(counts)
+    return counts
+
+
+def read_counts(counts_t: Tensor) -> list[int]:
+    """counts_t to host ints: a device sync (its own function so tests can count them)."""
+    return counts_t.tolist()
+
+
+def _check_replay(counts_t: Tensor, counts: list[int]) -> None:
+    """A recompute must route as its forward did: compare two checksums of the counts on the device."""
+    if len(counts) != counts_t.numel():
+        raise RuntimeError(f"a recompute replays {len(counts)} expert counts for a layer of {counts_t.numel()} "
+                           "experts: its forward recorded another layer")
+    w = torch.arange(1, len(counts) + 1, device=counts_t.device)
+    # NOTE: a failed device assert on CUDA ends the process's CUDA context: better than wrong gradients
+    torch._assert_async((counts_t * w).sum() == sum(c * (i + 1) for i, c in enumerate(counts)))
+    torch._assert_async((counts_t * counts_t).sum() == sum(c * c for c in counts))
 
 
 def _static(logits: Tensor, rows: int) -> Selection:
     e = logits.shape[1]
     token_idx = logits.topk(rows, dim=0).indices.T.reshape(-1)
     expert_idx = torch.arange(e, device=logits.device).repeat_interleave(rows)
-    return Selection(token_idx, expert_idx, [rows] * e)
+    counts_t = torch.full((e,), rows, dtype=torch.long, device=logits.device)
+    return Selection(token_idx, expert_idx, [rows] * e, counts_t=counts_t)
 
 
 def record_stats(sel: Selection, n_tokens: int, n_experts: int) -> dict[str, Tensor]:
-    """The statistics of one layer's training forward (RoutingLog's per-layer dict)."""
-    counts = torch.bincount(sel.expert_idx, minlength=n_experts).float()
-    routed = torch.bincount(sel.token_idx, minlength=n_tokens)
+    """The statistics of one layer's training forward (RoutingLog's per-layer dict), on the device: no sync."""
+    counts = sel.counts_t.float()
+    routed = torch.zeros(n_tokens, dtype=torch.bool, device=counts.device)
+    routed[sel.token_idx] = True
     zero = torch.zeros((), device=counts.device)
-    return {"counts": counts, "zero": (routed == 0).sum().float(), "dropped": sel.stats.get("dropped", zero),
+    return {"counts": counts, "zero": (~routed).sum().float(), "dropped": sel.stats.get("dropped", zero),
             "padded": sel.stats.get("padded", zero), "tokens": torch.full((), float(n_tokens), device=counts.device),
-            **{k: sel.stats[k] for k in ("cutoff", "lag", "above") if k in sel.stats}}
+            **{k: sel.stats[k] for k in ("cutoff", "lag", "above", "lagged") if k in sel.stats}}
 
 
 # -- state ---------------------------------------------------------------------------------------------------
@@ -253,7 +350,7 @@ def _layer_metrics(recs: list[dict[str, Tensor]], top_k: int) -> dict:
            "load_max_over_mean": float(counts.max()) / max(total / len(counts), 1e-9)}
     if "aux" in recs[0]:
         row["aux_loss"] = sum(float(r["aux"]) for r in recs) / len(recs)
-    if "lag" in recs[0]:
+    if "lag" in recs[0] and all(float(r["lagged"]) > 0 for r in recs):  # once the EMA has an update
         row["threshold_lag"] = sum(float(r["lag"].mean()) for r in recs) / len(recs)
         row["threshold_lag_abs"] = sum(float(r["lag"].abs().mean()) for r in recs) / len(recs)
         row["threshold_rate"] = sum(float(r["above"]) for r in recs) / (tokens * top_k)

@@ -4,9 +4,15 @@ Where it sits: `templates(config)` gives the stateless unit templates (built on 
 distinct structure) that tracing (ir/trace.py) and the runtime run through `bind()`; `build_eager(config)`
 gives a plain nn.Module with the same math and parameter names: the ground truth of every exactness test.
 
-Architecture: RMSNorm (fp32 statistics), RoPE (rotate-half, as Hugging Face LLaMA), grouped-query attention
-through F.scaled_dot_product_attention with a causal mask, SwiGLU MLP; the head is the final RMSNorm, the
+Architecture: RMSNorm (fp32 statistics, one rounding), RoPE (rotate-half, as Hugging Face LLaMA), grouped-query
+attention through F.scaled_dot_product_attention with a causal mask (K and V not repeated where the kernel
+broadcasts them), SwiGLU MLP; the head is the final RMSNorm, the
 LM head and a chunked cross-entropy (loss.py) returning the *sum* of token losses in fp32.
+
+Long sequences (`StepInputs.chunk_tokens`, chosen by the planner's `chunks` pass): a block runs its norms,
+projections, RoPE and MLP over token chunks (tiled.py; recomputed chunk by chunk in backward), its attention
+as one fused flash call with grouped k and v unrepeated, and the head runs its final norm inside the loss's
+chunks. Chunk sizes of at least the sequence length run exactly today's untiled code.
 
 Units and their carries: `embed` () -> (h,); `blocks.{i}` (h,) -> (h,); `head` (h,) -> (loss_sum,).
 h is (B, T, d) in the compute dtype. A unit's parameter named `p` is `"{unit}.{p}"` in the eager model.
@@ -26,6 +32,7 @@ from . import depth
 from .config import ModelConfig
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 from .moe import MoEFFN, reset_buffers
+from .tiled import tiled
 
 Carry = tuple[Tensor, ...]
 
@@ -44,6 +51,14 @@ class StepInputs:
     positions: Tensor | None = None  # (B, T) int64: each token's position in its document (RoPE)
     segments: tuple[tuple[tuple[int, int], ...], ...] | None = None  # per row, its documents' [start, end)
     cu_seqlens: Tensor | None = None  # (n_docs + 1,) int32 document offsets over the flattened B*T tokens
+    # Sequence tiling (tiled.py): a block's token-wise work runs over chunks of this many tokens and the head's
+    # final norm inside its loss chunks; None (or at least the sequence length): the whole sequence at once.
+    chunk_tokens: int | None = None
+
+    def tiles(self, seq_len: int) -> int | None:
+        """The chunk size when this sequence is tiled, else None."""
+        c = self.chunk_tokens
+        return c if c is not None and c < seq_len else None
 
 
 class RMSNorm(nn.Module):
@@ -53,8 +68,47 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return _RMSNorm.apply(x, self.weight, self.eps)
+
+
+_FUSED_RMS_NORM = hasattr(torch.ops.aten, "_fused_rms_norm") and hasattr(torch.ops.aten, "_fused_rms_norm_backward")
+
+
+class _RMSNorm(torch.autograd.Function):
+    """x / rms(x) * weight over the last dimension: fp32 statistics, the weight applied in fp32 and one rounding
+    into x's dtype, as torch's fused rms_norm computes it (Hugging Face's LlamaRMSNorm rounds x / rms(x) to x's
+    dtype before the weight: equal in fp32, at most one bf16 step apart). It saves x and the fp32 1/rms of each
+    row, not an fp32 copy of x; on CUDA it is one fused kernel each way (aten._fused_rms_norm), elsewhere a
+    few elementwise ones."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        if x.is_cuda and _FUSED_RMS_NORM:
+            y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        else:
+            xf = _stats_dtype(x)
+            rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+            y = (xf * rstd * weight.to(xf.dtype)).to(x.dtype)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        if x.is_cuda and _FUSED_RMS_NORM:
+            dx, dw = torch.ops.aten._fused_rms_norm_backward(dy.contiguous(), x, [x.shape[-1]], rstd, weight,
+                                                              [ctx.needs_input_grad[0], ctx.needs_input_grad[1]])
+            return dx, dw, None
+        n = _stats_dtype(x) * rstd
+        g = dy.to(n.dtype) * weight.to(n.dtype)
+        dx = (rstd * (g - n * (g * n).mean(-1, keepdim=True))).to(x.dtype)
+        dw = (dy.to(n.dtype) * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        return dx, dw, None
+
+
+def _stats_dtype(x: Tensor) -> Tensor:
+    """x in the dtype RMSNorm's statistics are taken in: fp32 for bf16/fp16, its own otherwise (fp64 stays)."""
+    return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
 def rope_frequencies(config: ModelConfig, device=None) -> Tensor:
@@ -84,13 +138,17 @@ def rope_tables(config: ModelConfig, seq_len: int, dtype: torch.dtype, device=No
 
 
 def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    """(x1, x2) -> (x2, x1) over the two halves of the last dimension: one copy (the sign is in the sine)."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x: (B, H, T, hd)."""
-    return x * cos + _rotate_half(x) * sin
+    """x: (B, H, T, hd). x * cos + rotate_half(x) * sin, Hugging Face's rotate-half RoPE, with the half-swap
+    one copy and the sign folded into the (small) sine table: x * cos + swap(x) * [-sin1, sin2], three
+    kernels on x where chunk, neg, cat, two products and a sum took six."""
+    half = sin.shape[-1] // 2
+    signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+    return torch.addcmul(x * cos, _rotate_half(x), signed)
 
 
 def packing(positions: Tensor, device=None) -> dict:
@@ -115,7 +173,7 @@ def packing(positions: Tensor, device=None) -> dict:
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Tensor:
     """Causal attention within each document of a packed micro-batch: no token attends across a document
-    boundary. q: (B, H, T, hd), k and v repeated to H heads. On CUDA in bf16/fp16, one varlen flash-attention
+    boundary. q: (B, H, T, hd), k and v (B, H_kv, T, hd) with H a multiple of H_kv. On CUDA in bf16/fp16, one varlen flash-attention
     call covers every document; elsewhere each document runs through the same fused causal kernel as an
     unpacked sequence (one call per document). No (T, T) mask ever exists, and a document's attention equals
     what it would be alone."""
@@ -124,6 +182,8 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Ten
         from torch.nn.attention.varlen import varlen_attn
 
         B, H, T, hd = q.shape
+        if k.shape[1] != H:  # NOTE: the varlen call takes the query's heads: repeat K and V for it
+            k, v = k.repeat_interleave(H // k.shape[1], dim=1), v.repeat_interleave(H // v.shape[1], dim=1)
         longest = max(e - s for spans in inputs.segments for s, e in spans)
         flat = [t.transpose(1, 2).reshape(B * T, H, hd) for t in (q, k, v)]
         y = varlen_attn(*flat, inputs.cu_seqlens, inputs.cu_seqlens, longest, longest, window_size=(-1, 0))
@@ -133,15 +193,28 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Ten
     return torch.cat(rows, dim=0)
 
 
+def native_gqa(q: Tensor, target: str = "cuda") -> bool:
+    """Whether the fused attention kernel that runs `q` reads fewer key/value heads than query heads itself
+    (SDPA's enable_gqa, no copies): the CPU's flash kernel, and CUDA's flash kernel in bf16/fp16. CUDA in fp32
+    runs the memory-efficient kernel, which does not, so K and V are repeated to the query's heads there."""
+    kind = target if q.device.type == "meta" else q.device.type
+    return kind == "cpu" or q.dtype in (torch.bfloat16, torch.float16)
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, target: str = "cuda") -> Tensor:
-    """Causal SDPA. On the meta device (tracing) it is the fused flash kernel that SDPA dispatches to on
-    the target (CUDA's or the CPU's), so the trace records what that kernel saves for backward and never
-    materialises the (T, T) scores, where SDPA's math fallback on meta would."""
+    """Causal SDPA; k and v may have fewer heads than q (grouped-query attention). On the meta device
+    (tracing) it is the fused flash kernel that SDPA dispatches to on the target (CUDA's or the CPU's), so the
+    trace records what that kernel saves for backward and never materialises the (T, T) scores, where SDPA's
+    math fallback on meta would."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1 and not native_gqa(q, target):
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        rep = 1
     if q.device.type == "meta":
         if target == "cpu":
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
 
 
 class Attention(nn.Module):
@@ -159,24 +232,50 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, inputs: StepInputs) -> Tensor:
         B, T, _ = x.shape
-        cos, sin = inputs.cos, inputs.sin
+        q, k, v = self.project(x, inputs.cos, inputs.sin, inputs.positions)
+        y = self.attend(q, k, v, inputs)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, n_heads, T, hd), k and v (B, n_kv, T, hd) of the normed input x, RoPE applied: the token-wise
+        half of attention. cos and sin are the rows of x's tokens, or the whole tables with `positions`."""
+        B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
         k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if inputs.positions is not None:  # packed: each document's positions restart at 0
-            cos, sin = cos[inputs.positions].unsqueeze(1), sin[inputs.positions].unsqueeze(1)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if positions is not None:  # packed: each document's positions restart at 0
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, inputs: StepInputs) -> Tensor:
+        """The fused causal attention (per document when packed) of grouped k and v as they are: the kernels
+        broadcast them where they can and repeat them where they cannot (causal_attention, packed_attention)."""
         if inputs.segments is None:
-            y = causal_attention(q, k, v, inputs.target)
-        else:
-            y = packed_attention(q, k, v, inputs)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
+            return causal_attention(q, k, v, inputs.target)
+        return packed_attention(q, k, v, inputs)
+
+    def tiled_forward(self, h: Tensor, norm: nn.Module, inputs: StepInputs, chunk: int) -> Tensor:
+        """norm -> attention -> o_proj of the block input h with the token-wise parts tiled: the norm, q/k/v
+        and RoPE, then the output projection, `chunk` tokens at a time; the attention between them is one fused
+        call over the whole sequence, so no (T, T) tensor and no ffn-wide or fp32 (T, d) temporary exists."""
+        def qkv(m, x, s, e):
+            if inputs.positions is not None:
+                return self.project(m["norm"](x), inputs.cos, inputs.sin, inputs.positions[:, s:e])
+            return self.project(m["norm"](x), inputs.cos[s:e], inputs.sin[s:e], None)
+
+        def out(m, y, s, e):
+            B, _, n, _ = y.shape
+            return (m["o_proj"](y.transpose(1, 2).reshape(B, n, self.n_heads * self.hd)),)
+
+        mods = {"norm": norm, **{n: getattr(self, n) for n in ("q_proj", "k_proj", "v_proj")}}
+        if self.qk_norm:
+            mods.update(q_norm=self.q_norm, k_norm=self.k_norm)
+        q, k, v = tiled(qkv, mods, h, chunk, in_dim=1, out_dims=(2, 2, 2))
+        y = self.attend(q, k, v, inputs)
+        return tiled(out, {"o_proj": self.o_proj}, y, chunk, in_dim=2, out_dims=(1,))[0]
 
 
 class MLP(nn.Module):
@@ -249,20 +348,30 @@ class BlockUnit(nn.Module):
         return getattr(getattr(self, "mix", None), "rebuildable", False)
 
     def sublayers(self, inputs: StepInputs):
+        """The two sub-layers as functions of their input (B, T, d); tiled when `inputs` asks for chunks
+        shorter than the sequence (an MoE feed-forward routes over the whole micro-batch: never tiled)."""
         def attn(h: Tensor) -> Tensor:
+            chunk = inputs.tiles(h.shape[1])
+            if chunk is not None:
+                return self.self_attn.tiled_forward(h, self.input_layernorm, inputs, chunk)
             return self.self_attn(self.input_layernorm(h), inputs)
 
         def ffn(h: Tensor) -> Tensor:
+            chunk = inputs.tiles(h.shape[1])
+            if chunk is not None and isinstance(self.mlp, MLP):
+                mods = {"norm": self.post_attention_layernorm, "mlp": self.mlp}
+                return tiled(lambda m, x, s, e: (m["mlp"](m["norm"](x)),), mods, h, chunk)[0]
             return self.mlp(self.post_attention_layernorm(h))
 
         return attn, ffn
 
     def forward(self, carry: Carry, inputs: StepInputs, **mode) -> Carry:
+        attn, ffn = self.sublayers(inputs)
         if hasattr(self, "mix"):
-            return self.mix(carry, self.sublayers(inputs), **mode)
+            return self.mix(carry, (attn, ffn), **mode)
         (h,) = carry
-        h = h + self.self_attn(self.input_layernorm(h), inputs)
-        return (h + self.mlp(self.post_attention_layernorm(h)),)
+        h = h + attn(h)
+        return (h + ffn(h),)
 
 
 class HeadUnit(nn.Module):
@@ -281,9 +390,15 @@ class HeadUnit(nn.Module):
         return self.mix(carry) if hasattr(self, "mix") else carry[0]
 
     def forward(self, carry: Carry, inputs: StepInputs) -> Carry:
-        x = self.norm(self.final(carry))
+        x = self.final(carry)
+        targets = inputs.targets.reshape(-1)
+        if inputs.tiles(x.shape[-2]) is not None:  # tiled: the final norm runs inside the loss's chunks
+            x = x.reshape(-1, x.shape[-1])
+            return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, norm=self.norm,
+                                          target=inputs.target),)
+        x = self.norm(x)
         x = x.reshape(-1, x.shape[-1])
-        return (chunked_cross_entropy(x, self.lm_head.weight, inputs.targets.reshape(-1), inputs.loss_chunk),)
+        return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, target=inputs.target),)
 
 
 def unit_names(config: ModelConfig) -> list[str]:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from megatrain.files import write_atomic
 
-from .costs import CostModel
+from .collectives import cost_model
 from .estimate import Estimate, estimate_time
 from .timeline import program_timeline
 
@@ -25,13 +25,13 @@ if TYPE_CHECKING:
 
     from .plan import Plan
 
-TRACKS = {"compute": 1, "h2d": 2, "d2h": 3, "host": 4}
+TRACKS = {"compute": 1, "h2d": 2, "d2h": 3, "host": 4, "comm": 5}
 
 
 def plan_estimate(plan: Plan) -> Estimate:
     """The estimator's unrolled steps for a plan (per-instruction start and duration)."""
-    return estimate_time(plan.program, CostModel(plan.ir, plan.hardware, plan.host_policy,
-                                                 plan.train.clip_norm is not None))
+    return estimate_time(plan.program, cost_model(plan.ir, plan.hardware, plan.host_policy,
+                                                  plan.train.clip_norm is not None, plan.world))
 
 
 def predicted_spans(plan: Plan, est: Estimate) -> Iterator[tuple[int, int, Instr, float, float]]:
@@ -54,6 +54,8 @@ def trace_events(plan: Plan) -> list[dict]:
     title = f"megatrain plan: {plan.ir.model} on {plan.hardware.name}"
     events: list[dict] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": title}}]
     for stream, tid in TRACKS.items():
+        if stream == "comm" and plan.program.world_size == 1:  # a track only where collectives run
+            continue
         events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": stream}})
         events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
     for starts in est.start_s:

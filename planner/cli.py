@@ -81,6 +81,11 @@ def _common(p: argparse.ArgumentParser, default_hardware: str = "h100-sxm") -> N
     p.add_argument("--host-policy", metavar="auto|NAME", default="auto", type=_host_policy,
                    help="how the host holds AdamW state: exact, bf16-moments, bf16, fp8, or auto (default): the "
                    "most exact that fits host memory within 0.5%% measured validation-loss cost")
+    p.add_argument("--nproc", type=int, default=None, metavar="R",
+                   help="data-parallel ranks (GPUs) in all: plan one rank's step, the model state sharded R ways "
+                   "and --grad-accum split across ranks (default 1; `train` takes it from torchrun)")
+    p.add_argument("--nnodes", type=int, default=None, metavar="N",
+                   help="nodes the --nproc ranks run on, nproc / nnodes each (default 1)")
 
 
 def _host_policy(text: str) -> str:
@@ -121,6 +126,24 @@ def _ranks(text: str | None) -> list[int] | None:
     for n in ranks:
         parse_depth(f"depthssd:{n}")
     return ranks
+
+
+def _world(args: argparse.Namespace):
+    """The World of --nproc / --nnodes (None for one rank), or one line naming the flag."""
+    from pydantic import ValidationError
+
+    from .world import World
+
+    nproc, nnodes = getattr(args, "nproc", None) or 1, getattr(args, "nnodes", None) or 1
+    if nproc < 1 or nnodes < 1:
+        raise ValueError(f"--nproc and --nnodes must be positive integers, got {nproc} and {nnodes}")
+    try:
+        world = World(nproc=nproc, nnodes=nnodes)
+    except ValidationError as e:
+        raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    if world.nproc > 1:
+        world.local_micro_batches(args.grad_accum)
+    return world if world.nproc > 1 else None
 
 
 def _hardware(args: argparse.Namespace) -> Hardware:
@@ -174,9 +197,14 @@ def run_plan(args: argparse.Namespace) -> int:
     train = _train(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
     config, choice = _model(args), None
+    world = _world(args)
+    if world is not None and args.depth_rank is not None:
+        raise ValueError("--depth-rank and --nproc together are not supported: plan the chosen rank with "
+                         "--depth-mixing depthssd:N --nproc R")
     try:
         if args.depth_rank is None:
-            result = plan(_load_ir(config, train, hw), hw, train, budget, host_policy=args.host_policy)
+            ir = _load_ir(config, train, hw)
+            result = plan(ir, hw, train, budget, host_policy=args.host_policy, world=world)
         elif args.depth_rank.strip() == "auto":
             from .depth_rank import choose_rank
 
@@ -206,8 +234,15 @@ def run_plan(args: argparse.Namespace) -> int:
         from .series import plan_series
 
         save_figure(plan_figure(plan_series(result)), args.plot)
+    rows = None
+    if world is not None:
+        from .scaling import format_scaling, scaling
+
+        rows = scaling(ir, hw, train, budget, world, args.host_policy)
     if args.json:
         summary = result.summary()
+        if rows is not None:
+            summary["scaling"] = rows
         if choice is not None:
             summary["depth_rank"] = {"chosen": choice.rank, "tolerance": args.rank_tolerance,
                                      "ranks": list(choice.rows)}
@@ -215,6 +250,8 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print("".join(line + "\n" for line in (choice.lines if choice else ())), end="")
         print(format_plan(result, explain=args.explain, program=args.program), end="")
+        if rows is not None:
+            print("\n" + format_scaling(rows, train, world), end="")
         for path, what in ((args.trace, "trace"), (args.save, "plan"), (args.plot, "plot")):
             if path:
                 print(f"wrote {what} to {path}")
@@ -244,7 +281,7 @@ def run_tune(args: argparse.Namespace) -> int:
         return _load_ir(model, spec, hw)
 
     result = tune(_model(args), hw, train, budgets, mbs, trace_fn=trace_fn, depth_ranks=_ranks(args.depth_rank),
-                  host_policy=args.host_policy)
+                  host_policy=args.host_policy, world=_world(args))
     if args.plot:
         from megatrain.plots import front_figure, save_figure
 

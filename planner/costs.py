@@ -11,7 +11,8 @@ model both price ops here, so they agree on every figure. Try it:
   master into the pinned staging ring as it loads (host_policy.py), in chunks that overlap the link: its
   load takes max(link, cast), the cast moving 6 B/param (read 4, write 2) at host memory bandwidth;
 - store_grads / offload_act: on d2h, gradients in the policy's host gradient dtype (bf16 ones are converted
-  on the device, so half the bytes cross);
+  on the device, so half the bytes cross); checkpoints longer than one staging chunk cross in chunks through
+  pinned staging (transfers.py), as load_act's do;
 - optimizer_step: parameters x the bytes the policy's step moves (HostPolicy.traffic, ADAMW_BYTES) / host
   memory bandwidth. Per fp32-master parameter: master read + write (8), the gradient read (4, or 2 in bf16),
   both moments read + written (16 fp32, 8 bf16, 4 fp8 + block scales). Nothing else: the clip factor is
@@ -34,6 +35,7 @@ from megatrain.ir.model_ir import ModelIR
 
 from .hardware import Hardware
 from .host_policy import POLICIES, HostPolicy, resolve
+from .transfers import copy_seconds
 
 ADAMW_BYTES = {p.name: p.traffic for p in POLICIES.values()}  # host bytes per parameter of one optimizer step
 CAST_BYTES = 4 + 2  # per element staged for the link: read the fp32 master, write bf16
@@ -53,12 +55,13 @@ class CostModel:
         self.load = [u.flat_numel * max(db / hw.h2d_bytes_per_s, cast) + hw.copy_latency_s for u in ir.units]
         gb = self.policy.grad_bytes
         self.store = [u.flat_numel * gb / hw.d2h_bytes_per_s + hw.copy_latency_s for u in ir.units]
-        self.offload = [u.carry_in_bytes / hw.d2h_bytes_per_s + hw.copy_latency_s for u in ir.units]
-        self.reload = [u.carry_in_bytes / hw.h2d_bytes_per_s + hw.copy_latency_s for u in ir.units]
+        self.offload = [copy_seconds(u.carry_in_bytes, hw.d2h_bytes_per_s, hw) for u in ir.units]
+        self.reload = [copy_seconds(u.carry_in_bytes, hw.h2d_bytes_per_s, hw) for u in ir.units]
         per_param = self.policy.traffic
         rates = hw.host_optimizer_bytes_per_s  # a clipped step's measured rate when the profile has one
         rate = rates.get(f"{self.policy.name}+clip" if clip else self.policy.name) or rates.get(
             self.policy.name, hw.host_memory_bytes_per_s)
+        self.opt_rate = rate
         self.opt = [u.n_params * per_param / rate for u in ir.units]
         self.clip = len(ir.units) * 1e-6
 
@@ -82,7 +85,7 @@ class CostModel:
         if op in ("offload_act", "load_act"):
             nbytes = sizes[ins.buffer] if sizes is not None else 0
             bw = self.hw.d2h_bytes_per_s if op == "offload_act" else self.hw.h2d_bytes_per_s
-            return nbytes / bw + self.hw.copy_latency_s
+            return copy_seconds(nbytes, bw, self.hw)
         if op == "optimizer_step":
             return self.opt[self.index[ins.unit]]
         if op == "clip_grads":

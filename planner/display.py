@@ -40,22 +40,55 @@ def summary_lines(p: Plan) -> list[str]:
     counts = {k: sum(1 for u in p.units if u.placement == k and u.checkpoint_bytes)
               for k in ("device", "host", "keep", "rebuild")}
     params = p.ir.params_total
-    return [
+    ckpt = p.host_breakdown.get("checkpoints", 0)
+    staging = p.host_breakdown.get("checkpoint_staging", 0)
+    lines = [
         f"plan {p.ir.model} on {hw.name}: micro-batch {t.micro_batch} x seq {t.seq_len}, {t.grad_accum} "
         f"micro-batch(es)/step, {t.dtype}, {params / 1e9:.3g}B params",
         f"GPU   peak {format_bytes(p.peak_gpu_bytes)} of {format_bytes(p.gpu_budget_bytes)} budget "
         f"(buffers {format_bytes(p.peak_buffer_bytes)}, + workspace {format_bytes(p.peak_device_bytes - p.peak_buffer_bytes)}"
         f" at the peak, + {format_bytes(hw.reserved_bytes)} reserved, + {hw.allocator_margin:.0%} margin)",
         f"host  {format_bytes(p.host_bytes)} of {format_bytes(hw.host_memory_bytes)} "
-        f"({p.state_bytes_per_param:.3g} B/param + {format_bytes(p.host_breakdown.get('checkpoints', 0))} checkpoints)",
+        f"({p.state_bytes_per_param:.3g} B/param + {format_bytes(ckpt)} checkpoints"
+        + (f" + {format_bytes(staging)} pinned checkpoint staging)" if staging else ")"),
         f"      host policy {p.host_policy_reason or p.host_policy}",
         f"step  {p.step_time_s:.4g} s, {p.tokens_per_s:,.0f} tokens/s, {p.model_tflops:.4g} model TFLOP/s, "
         f"MFU {p.mfu:.1%}; bottleneck {p.bottleneck} ({p.bottleneck_share:.0%} of the critical path)",
+        *_world_lines(p),
         f"slots {p.n_slots} x {format_bytes(p.slot_bytes)} (prefetch distance {p.prefetch_distance}), "
         f"{p.n_grad_slots} gradient slot(s) x {format_bytes(p.grad_slot_bytes)}; checkpoints {counts['device']} "
         f"device, {counts['host']} host, {counts['keep']} keep"
         + (f", {counts['rebuild']} rebuild" if counts["rebuild"] else ""),
     ]
+    return lines + tiling_lines(p)
+
+
+def tiling_lines(p: Plan) -> list[str]:
+    """How the units run long sequences, for a plan that tiles them or whose trace was scaled; else none."""
+    ir, out = p.ir, []
+    if ir.chunk_tokens is not None:
+        out.append(f"tiles {ir.chunk_tokens:,} tokens per chunk ({-(-ir.seq_len // ir.chunk_tokens)} per sequence; "
+                   "the chunks pass chose it): norms, projections, RoPE and MLP tiled, attention fused")
+    elif ir.chunk_choices:
+        out.append("tiles none: the whole sequence fits untiled (the chunks pass priced "
+                   f"{len(ir.chunk_choices) - 1} chunk sizes)")
+    if ir.traced_seq_len is not None:
+        out.append(f"trace at {ir.traced_seq_len:,} tokens, scaled to {ir.seq_len:,}: bytes and FLOPs exact, "
+                   "op counts (dispatch overhead) extrapolated")
+    return out
+
+
+def _world_lines(p: Plan) -> list[str]:
+    """A data-parallel plan's world: per-rank and per-node host bytes, the collectives' time."""
+    if p.world.nproc == 1:
+        return []
+    shares = p.host_bytes_per_rank
+    on_path = p.critical_path_s.get("collectives", 0.0)
+    return [f"world {p.world}: this is one rank's step ({p.program.n_micro_batches} of the {p.train.grad_accum} "
+            f"micro-batch(es)); host per rank {format_bytes(min(shares))}..{format_bytes(max(shares))} (1/"
+            f"{p.world.nproc} of the state + staging), per node {format_bytes(p.host_bytes_per_node)}",
+            f"      collectives {p.collectives_s * 1e3:.4g} ms per step on the comm stream, "
+            f"{on_path / p.step_time_s:.0%} of the critical path; tokens/s counts every rank's"]
 
 
 def unit_groups(p: Plan) -> list[tuple[str, list]]:

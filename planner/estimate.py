@@ -30,7 +30,8 @@ from .costs import CostModel
 
 RESOURCES = {"forward": "compute", "backward": "compute", "load_params": "h2d", "load_act": "h2d",
              "store_grads": "d2h", "offload_act": "d2h", "optimizer_step": "host_optimizer",
-             "clip_grads": "host_optimizer"}
+             "clip_grads": "host_optimizer", "all_gather": "collectives", "reduce_scatter": "collectives",
+             "all_reduce": "collectives"}
 STEPS = 3
 
 
@@ -102,7 +103,7 @@ def estimate_time(program: Program, costs: CostModel) -> Estimate:
     ends = [max(finish[c * n:(c + 1) * n]) for c in range(STEPS)]
     lo, hi = ends[-2], ends[-1]
     step = hi - lo
-    critical = dict.fromkeys(("compute", "h2d", "d2h", "host_optimizer"), 0.0)
+    critical = dict.fromkeys(("compute", "h2d", "d2h", "host_optimizer", "collectives"), 0.0)
     node: int | None = max(range((STEPS - 1) * n, STEPS * n), key=lambda v: finish[v])
     while node is not None and finish[node] > lo:
         ins = program.instrs[node % n]

@@ -12,6 +12,10 @@ them with measurements, which is what FlexGen found necessary):
   64 GB/s is what pinned cudaMemcpyAsync typically reaches);
 - host memory for AdamW: 50% of one socket's nominal DRAM bandwidth (a streaming kernel over 7 arrays on
   the socket the optimizer threads are bound to).
+For data parallelism (planner/world.py, collectives.py) presets also carry the per-GPU bandwidth of collectives
+inside a node (NVLink, or PCIe where there is none) and between nodes (each GPU's own NIC), at 80% of nominal
+per direction (COLLECTIVE_EFFICIENCY: what NCCL's ring bus bandwidth reaches of the link), and the node's CPU
+sockets (the ranks of a node share its host memory bandwidth by socket).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ GiB = 2**30
 MATMUL_EFFICIENCY = 0.75
 LINK_EFFICIENCY = 0.85
 HOST_BW_EFFICIENCY = 0.5
+COLLECTIVE_EFFICIENCY = 0.8
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
@@ -67,6 +72,15 @@ class Hardware(IRModel):
         5e-6, ge=0, description="dispatch cost per fx graph node of a unit (kernel launch, Python)"
     )
     copy_latency_s: float = Field(1e-5, ge=0, description="fixed cost of one copy on a link")
+    intra_node_bytes_per_s: float | None = Field(
+        None, gt=0, description="achievable per-GPU bandwidth of a ring collective among the GPUs of one node, one "
+        "direction (NVLink; PCIe where there is none); needed to plan --nproc > 1")
+    inter_node_bytes_per_s: float | None = Field(
+        None, gt=0, description="achievable per-GPU bandwidth between nodes, one direction (each GPU's own NIC); "
+        "needed to plan --nnodes > 1")
+    collective_latency_s: float = Field(2e-5, ge=0, description="fixed cost of one collective")
+    host_sockets: int = Field(1, ge=1, le=64, description="CPU sockets of a node: ranks on different sockets "
+                              "step their host optimizers on separate DRAM (host_memory_bytes_per_s is one's)")
     source: str = Field("", description="where the figures come from")
 
     @field_validator("matmul_flops", "peak_flops", mode="before")
@@ -112,54 +126,71 @@ class Hardware(IRModel):
 
 
 def _nominal(name: str, *, gpu_gib: float, bf16_tflops: float, fp32_tflops: float, link_gbs: float,
-             host_gib: float, host_gbs: float, source: str, **extra) -> Hardware:
-    """A preset from nominal datasheet figures and the module's stated efficiency factors."""
+             host_gib: float, host_gbs: float, source: str, intra_gbs: float, nic_gbps: float, sockets: int = 1,
+             **extra) -> Hardware:
+    """A preset from nominal datasheet figures and the module's stated efficiency factors (`intra_gbs`: the
+    GPU's intra-node link per direction in GB/s; `nic_gbps`: its NIC in Gb/s)."""
     peak = {"bfloat16": bf16_tflops * 1e12, "float32": fp32_tflops * 1e12}
+    extra.update(intra_node_bytes_per_s=intra_gbs * 1e9 * COLLECTIVE_EFFICIENCY,
+                 inter_node_bytes_per_s=nic_gbps / 8 * 1e9 * COLLECTIVE_EFFICIENCY, host_sockets=sockets)
     return Hardware(
         name=name, gpu_memory_bytes=int(gpu_gib * GiB),
         matmul_flops={k: v * MATMUL_EFFICIENCY for k, v in peak.items()}, peak_flops=peak,
         h2d_bytes_per_s=link_gbs * 1e9 * LINK_EFFICIENCY, d2h_bytes_per_s=link_gbs * 1e9 * LINK_EFFICIENCY,
         host_memory_bytes=int(host_gib * GiB), host_memory_bytes_per_s=host_gbs * 1e9 * HOST_BW_EFFICIENCY,
         source=source + f"; achievable = {MATMUL_EFFICIENCY:.0%} matmul, {LINK_EFFICIENCY:.0%} link, "
-        f"{HOST_BW_EFFICIENCY:.0%} host DRAM of nominal", **extra)
+        f"{HOST_BW_EFFICIENCY:.0%} host DRAM, {COLLECTIVE_EFFICIENCY:.0%} collectives of nominal", **extra)
 
 
 _PCIE5 = "PCIe Gen5 x16 64 GB/s per direction"
 _PCIE4 = "PCIe Gen4 x16 32 GB/s per direction"
 _SPR = "host: one Xeon Sapphire Rapids socket, 8 ch DDR5-4800 = 307 GB/s"
+_NVL4 = "NVLink 4 900 GB/s per GPU = 450 GB/s per direction"
+_NDR = "one ConnectX-7 400 Gb/s InfiniBand NDR per GPU"
 PRESETS = {
     "h100-sxm": lambda: _nominal(
         "h100-sxm", gpu_gib=80, bf16_tflops=989.4, fp32_tflops=67, link_gbs=64, host_gib=2048, host_gbs=307,
-        source=f"NVIDIA H100 SXM5 datasheet: 989.4 TFLOPS dense BF16, 67 TFLOPS FP32, 80 GB HBM3; {_PCIE5}; "
-        f"DGX H100 2 TB; {_SPR}"),
+        intra_gbs=450, nic_gbps=400, sockets=2,
+        source=f"NVIDIA H100 SXM5 datasheet: 989.4 TFLOPS dense BF16, 67 TFLOPS FP32, 80 GB HBM3, {_NVL4}; {_PCIE5}; "
+        f"DGX H100: 2 TB, two sockets, {_NDR}; {_SPR}"),
     "h100-pcie": lambda: _nominal(
         "h100-pcie", gpu_gib=80, bf16_tflops=756.5, fp32_tflops=51, link_gbs=64, host_gib=1024, host_gbs=307,
-        source=f"NVIDIA H100 PCIe datasheet: 756.5 TFLOPS dense BF16, 51 TFLOPS FP32, 80 GB HBM2e; {_PCIE5}; "
-        f"1 TB host assumed; {_SPR}"),
+        intra_gbs=64, nic_gbps=400,
+        source=f"NVIDIA H100 PCIe datasheet: 756.5 TFLOPS dense BF16, 51 TFLOPS FP32, 80 GB HBM2e; {_PCIE5} (its NVLink "
+        f"bridge pairs two GPUs only: collectives among more go over PCIe); 1 TB host and {_NDR} assumed; {_SPR}"),
     "h200": lambda: _nominal(
         "h200", gpu_gib=140, bf16_tflops=989.4, fp32_tflops=67, link_gbs=64, host_gib=2048, host_gbs=307,
+        intra_gbs=450, nic_gbps=400, sockets=2,
         source=f"NVIDIA H200 SXM datasheet: 989.4 TFLOPS dense BF16, 67 TFLOPS FP32, 141 GB HBM3e "
-        f"(140 GiB as nvidia-smi reports); {_PCIE5}; DGX H200 2 TB; {_SPR}"),
+        f"(140 GiB as nvidia-smi reports), {_NVL4}; {_PCIE5}; DGX H200: 2 TB, two sockets, {_NDR}; {_SPR}"),
     "gh200": lambda: _nominal(
         "gh200", gpu_gib=96, bf16_tflops=989.4, fp32_tflops=67, link_gbs=450, host_gib=480, host_gbs=512,
+        intra_gbs=450, nic_gbps=400,
         source="NVIDIA GH200 Grace Hopper datasheet: H100 with 96 GB HBM3, 989.4 TFLOPS dense BF16; "
-        "NVLink-C2C 900 GB/s total = 450 GB/s per direction; Grace 480 GB LPDDR5X at 512 GB/s"),
+        "NVLink-C2C 900 GB/s total = 450 GB/s per direction; Grace 480 GB LPDDR5X at 512 GB/s; GPU-to-GPU NVLink "
+        f"900 GB/s (NVL2/NVL32); {_NDR} assumed"),
     "a100-80g": lambda: _nominal(
         "a100-80g", gpu_gib=80, bf16_tflops=312, fp32_tflops=19.5, link_gbs=32, host_gib=1024, host_gbs=204.8,
-        source=f"NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS dense BF16, 19.5 TFLOPS FP32, 80 GB HBM2e; "
-        f"{_PCIE4}; DGX A100 1 TB; host: one EPYC 7742 socket, 8 ch DDR4-3200 = 204.8 GB/s"),
+        intra_gbs=300, nic_gbps=200, sockets=2,
+        source=f"NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS dense BF16, 19.5 TFLOPS FP32, 80 GB HBM2e, NVLink 3 600 "
+        f"GB/s per GPU = 300 GB/s per direction; {_PCIE4}; DGX A100: 1 TB, two sockets, one ConnectX-6 200 Gb/s "
+        "HDR InfiniBand per GPU; host: one EPYC 7742 socket, 8 ch DDR4-3200 = 204.8 GB/s"),
     "rtx4090": lambda: _nominal(
         "rtx4090", gpu_gib=24, bf16_tflops=165.2, fp32_tflops=82.6, link_gbs=32, host_gib=128, host_gbs=89.6,
+        intra_gbs=32, nic_gbps=100,
         source=f"NVIDIA Ada whitepaper RTX 4090: 165.2 TFLOPS dense BF16 (FP32 accumulate), 82.6 TFLOPS FP32, "
-        f"24 GB GDDR6X; {_PCIE4}; desktop host 128 GB, 2 ch DDR5-5600 = 89.6 GB/s"),
+        f"24 GB GDDR6X, no NVLink (collectives over {_PCIE4}, through the host); desktop host 128 GB, 2 ch "
+        "DDR5-5600 = 89.6 GB/s; 100 Gb/s Ethernet per GPU assumed"),
     "cpu": lambda: Hardware(
         name="cpu", device="cpu", gpu_memory_bytes=8 * GiB,
         matmul_flops={"bfloat16": 2e9, "float32": 5e10}, peak_flops={"bfloat16": 2e9, "float32": 5e10},
         h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9, host_memory_bytes=16 * GiB, host_memory_bytes_per_s=1e10,
         allocator_margin=0.0, reserved_bytes=0, op_overhead_s=2e-5, copy_latency_s=2e-5,
+        intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e9, collective_latency_s=2e-4,
         source="simulated device on a 2-core CI machine (runtime 'sim'): round figures below what "
         "`megatrain probe --device cpu` measured there (bf16 matmul 1.3-2.6 GFLOP/s without AMX, fp32 ~100 "
-        "GFLOP/s, memcpy 4-10 GB/s, AdamW 16 GB/s); no margin or reserve because the sim pool is exact"),
+        "GFLOP/s, memcpy 4-10 GB/s, AdamW 16 GB/s); no margin or reserve because the sim pool is exact; "
+        "collectives: gloo over localhost TCP, a round 1 GB/s and 0.2 ms each"),
 }
 
 

@@ -40,14 +40,16 @@ and whose measured cost is at most QUALITY_TOLERANCE; a policy not measured is n
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from megatrain.ir.base import dtype_bytes
 from megatrain.ir.model_ir import ModelIR
+from megatrain.ir.program import STAGING_BYTES
 
 from .bytesize import format_bytes
 from .errors import InfeasiblePlanError
+from .transfers import STAGING_BUFFERS, staging_bytes
 
 PIN_ALIGN = 64  # bytes: every pinned buffer starts on a cache line
 PAGE = 4096
@@ -138,21 +140,38 @@ def grad_buffer_elems(ir: ModelIR, assignment: Sequence[int]) -> list[int]:
     return sizes
 
 
-def checkpoint_tensors(ir: ModelIR, placement: Sequence[str], n_micro: int) -> list[int]:
-    """Bytes of every host checkpoint tensor: each carry-in tensor of a unit placed on host, per micro-batch
-    (what the lowering offloads; runtime/store.py allocates one pinned tensor each)."""
-    return [t.nbytes for u, p in zip(ir.units, placement) if p == "host" and u.carry_in
-            for _ in range(n_micro) for t in u.carry_in]
+def checkpoint_buffers(ir: ModelIR, placement: Sequence[str], n_micro: int) -> list[tuple[int, ...]]:
+    """Bytes of every host checkpoint, tensor by tensor: each unit placed on host offloads its carry-in tensors
+    once per micro-batch (one program buffer each, what the lowering offloads)."""
+    return [tuple(t.nbytes for t in u.carry_in) for u, p in zip(ir.units, placement) if p == "host" and u.carry_in
+            for _ in range(n_micro)]
+
+
+def staged(checkpoint: Sequence[int]) -> bool:
+    """Whether a host checkpoint crosses through the pinned staging buffers into pageable memory (one longer
+    than a staging chunk: runtime/staging.py) rather than to its own pinned copy."""
+    return sum(checkpoint) > STAGING_BYTES
+
+
+def checkpoint_host_bytes(checkpoints: Sequence[Sequence[int]]) -> int:
+    """Host bytes the checkpoints take: pinned copies at pinned alignment, pageable ones at their size, and
+    the staging buffers when any is staged."""
+    pinned = sum(-(-t // PIN_ALIGN) * PIN_ALIGN for c in checkpoints if not staged(c) for t in c)
+    pageable = sum(t for c in checkpoints if staged(c) for t in c)
+    return pinned + pageable + staging_bytes(max((sum(c) for c in checkpoints), default=0))
 
 
 def host_layout(ir: ModelIR, policy: HostPolicy, assignment: Sequence[int],
-                checkpoint_tensors: Sequence[int] = ()) -> dict[str, int]:
+                checkpoints: Sequence[Sequence[int]] = ()) -> dict[str, int]:
     """Host bytes by component for `ir` under `policy`, with host gradient buffers as `assignment` gives
-    (one entry per unit) and offloaded checkpoint tensors of `checkpoint_tensors` bytes each."""
+    (one entry per unit) and offloaded `checkpoints` (tensor bytes of each: pinned, or pageable with the
+    pinned checkpoint staging when longer than a staging chunk)."""
     fp32_compute = ir.dtype == "float32"
     pinned: dict[str, list[int]] = {"master_fp32": [], "grads": [], "grad_norms": [], "transfer_staging": [],
-                                    "unit_buffers": [], "checkpoints": list(checkpoint_tensors)}
-    out = {"master_fp32": 0, "moments": 0, "step_counts": 0}
+                                    "unit_buffers": [], "checkpoints": [t for c in checkpoints if not staged(c) for t in c],
+                                    "checkpoint_staging": []}
+    out = {"master_fp32": 0, "moments": 0, "step_counts": 0,
+           "checkpoints": sum(t for c in checkpoints if staged(c) for t in c)}
     for u in ir.units:
         owned = [p.numel for p in u.params if p.name not in u.tied]
         if fp32_compute:
@@ -166,6 +185,8 @@ def host_layout(ir: ModelIR, policy: HostPolicy, assignment: Sequence[int],
     pinned["grad_norms"].append(4 * sum(len(u.params) for u in ir.units))
     pinned["grads"] += [policy.grad_bytes * n for n in grad_buffer_elems(ir, assignment)]
     pinned["transfer_staging"] += [dtype_bytes(ir.dtype) * staging_elems(ir)] * (2 if staging_elems(ir) else 0)
+    if any(staged(c) for c in checkpoints):
+        pinned["checkpoint_staging"] += [STAGING_BYTES] * STAGING_BUFFERS
     for key, sizes in pinned.items():
         out[key] = out.get(key, 0) + sum(sizes)
     every = [s for sizes in pinned.values() for s in sizes]
@@ -197,9 +218,11 @@ def _cost(p: HostPolicy) -> str:
     return "not measured" if p.quality_cost is None else f"quality cost {p.quality_cost:+.2%}"
 
 
-def choose(ir: ModelIR, host_memory_bytes: int, clip: bool, request: str = "auto") -> Choice:
-    """The host policy for `ir` with `host_memory_bytes`: `request` by name, or auto's choice."""
-    floors = {name: floor_bytes(ir, p, clip) for name, p in POLICIES.items()}
+def choose(ir: ModelIR, host_memory_bytes: int, clip: bool, request: str = "auto",
+           floor: Callable[[HostPolicy], int] | None = None) -> Choice:
+    """The host policy for `ir` with `host_memory_bytes`: `request` by name, or auto's choice. `floor(policy)`
+    replaces floor_bytes (a rank of a world: its share of the state, planner/world.py)."""
+    floors = {name: floor(p) if floor else floor_bytes(ir, p, clip) for name, p in POLICIES.items()}
     params = max(1, ir.params_total)
     lines = []
     for name, p in POLICIES.items():

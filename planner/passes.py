@@ -1,7 +1,7 @@
 """The planner: one ordered pipeline of named passes, each a pure function that records its decisions.
 
 Where it sits: `plan(ir, hardware, train, budget)` is the planner's entry point (docs/DESIGN.md 4.3); it runs
-host_policy -> slots -> checkpoints -> order -> optimizer -> lower -> buffers -> sync -> verify -> estimate and
+host_policy -> chunks -> slots -> checkpoints -> order -> optimizer -> lower -> buffers -> sync -> verify -> estimate and
 assembles a Plan.
 Try it: `megatrain plan --model tiny --hardware cpu --seq-len 128 --micro-batch 2 --explain`.
 
@@ -21,11 +21,13 @@ from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Buffer, Instr, Program
 
 from .bytesize import format_bytes, parse_bytes
+from .chunking import choose_chunk
+from .collectives import cost_model, decision_lines, lower_collectives
 from .costs import CostModel
 from .errors import InfeasiblePlanError
 from .estimate import Estimate, estimate_time
 from .hardware import Hardware, resolve_hardware
-from .host_policy import PAGE, PIN_ALIGN, HostPolicy, checkpoint_tensors, choose
+from .host_policy import PAGE, PIN_ALIGN, HostPolicy, checkpoint_buffers, checkpoint_host_bytes, choose
 from .optimizer_order import choose_split
 from .placement import exact_timeline, minimal, search
 from .plan import PassRecord, Plan
@@ -44,7 +46,9 @@ from .schedule import (
 from .sync import insert_sync
 from .timeline import Timeline, live_at, program_timeline
 from .train import TrainSpec
+from .transfers import staging_bytes
 from .verify import verify
+from .world import World, rank_ir, world_ir
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,11 @@ class State:
     budget: int
     costs: CostModel
     host_request: str = "auto"
+    world: World = World()  # the ranks this rank trains with; `train` is one rank's share of the global step
+    global_train: TrainSpec | None = None  # the whole step (every rank's micro-batches); None: `train`
+    rank_irs: tuple[ModelIR, ...] = ()  # each rank's host view of `ir` (world.rank_ir); () for one rank
     policy: HostPolicy | None = None
-    host_floor: int = 0  # host bytes of the policy's state, fewest gradient buffers and staging
+    host_floor: int = 0  # host bytes of the policy's state, fewest gradient buffers and staging (of a node)
     host_reason: str = ""
     decisions: Decisions | None = None
     order: Order | None = None
@@ -73,9 +80,34 @@ Pass = Callable[[State], tuple[State, list[str]]]
 def host_policy_pass(s: State) -> tuple[State, list[str]]:
     """How the host holds the model state (host_policy.py): the named policy, or auto's choice; the host
     feasibility floor."""
-    choice = choose(s.ir, s.hw.host_memory_bytes, s.train.clip_norm is not None, s.host_request)
+    clip = s.train.clip_norm is not None
+    node = None
+    if s.rank_irs:  # a node holds its ranks' shares: the floor of the node holding the most
+        from .host_policy import floor_bytes
+
+        L = s.world.ranks_per_node
+
+        def node(p):
+            per_rank = [floor_bytes(r, p, clip) for r in s.rank_irs]
+            return max(sum(per_rank[n * L:(n + 1) * L]) for n in range(s.world.nnodes))
+    choice = choose(s.ir, s.hw.host_memory_bytes, clip, s.host_request, node)
     return dataclasses.replace(s, policy=choice.policy, host_floor=choice.floor_bytes, host_reason=choice.reason,
-                               costs=CostModel(s.ir, s.hw, choice.policy, s.train.clip_norm is not None)), list(choice.lines)
+                               costs=cost_model(s.ir, s.hw, choice.policy, clip, s.world)), list(choice.lines)
+
+
+def chunks_pass(s: State) -> tuple[State, list[str]]:
+    """Tokens per tile of the units' token-wise work (chunking.py): the fastest size that fits."""
+    clip = s.train.clip_norm is not None
+    ir, lines = choose_chunk(s.ir, s.hw, s.train.grad_accum, clip, s.budget, s.policy, s.host_floor)
+    if ir is s.ir:
+        return s, lines
+    return dataclasses.replace(s, ir=ir, costs=cost_model(ir, s.hw, s.policy, clip, s.world)), lines
+
+
+def _host_room(s: State) -> int:
+    """Host bytes one rank may use beyond the model state: its node's memory left after every local rank's
+    state, shared evenly."""
+    return (s.hw.host_memory_bytes - s.host_floor) // s.world.ranks_per_node
 
 
 def slots_pass(s: State) -> tuple[State, list[str]]:
@@ -95,9 +127,10 @@ def slots_pass(s: State) -> tuple[State, list[str]]:
                      "workspace figures may differ; trace with the matching target for exact peaks")
     if need > s.budget:
         what, _ = _dominant(ir, K, low, s.train.clip_norm is not None, tl, hw)
+        tiles = "" if ir.chunk_tokens is None else f" with units tiled in chunks of {ir.chunk_tokens:,} tokens"
         raise InfeasiblePlanError(
             f"GPU budget {format_bytes(s.budget)} is too small for {ir.model} (micro-batch {ir.micro_batch} x "
-            f"seq {ir.seq_len}, {K} micro-batch(es)/step): the smallest workable budget is {format_bytes(need)}, "
+            f"seq {ir.seq_len}, {K} micro-batch(es)/step): the smallest workable budget{tiles} is {format_bytes(need)}, "
             f"dominated by {what}; use --gpu-mem {_suggest(need)} or more, or a "
             "shorter --seq-len / smaller --micro-batch", kind="gpu", needed_bytes=need, budget_bytes=s.budget,
             dominant=what)
@@ -108,13 +141,15 @@ def checkpoints_pass(s: State) -> tuple[State, list[str]]:
     """Per-unit checkpoint placement plus slot counts, minimising predicted step time under the budget."""
     state_bytes = s.host_floor
     device_budget = s.hw.device_bytes_for(s.budget)
-    # NOTE: each checkpoint tensor starts on a PIN_ALIGN boundary of the pinned region: leave room for that
-    slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) for u in s.ir.units)
+    # NOTE: each pinned checkpoint tensor starts on a PIN_ALIGN boundary: leave room for that, and for the
+    # checkpoint staging buffers should a checkpoint too long for its own pinned copy go to the host
+    slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) for u in s.ir.units) + \
+        staging_bytes(max((u.carry_in_bytes for u in s.ir.units), default=0))
     dec, lines, tl = search(s.ir, s.costs, s.train.grad_accum, s.train.clip_norm is not None, device_budget,
-                            s.hw.host_memory_bytes - state_bytes - slack)
+                            _host_room(s) - slack)
     if tl.peak > device_budget:  # host too small for the checkpoints the GPU cannot take either
         K = s.train.grad_accum
-        need = state_bytes + slack + sum(K * u.carry_in_bytes for u in s.ir.units)
+        need = state_bytes + s.world.ranks_per_node * (slack + sum(K * u.carry_in_bytes for u in s.ir.units))
         raise InfeasiblePlanError(
             f"host memory {format_bytes(s.hw.host_memory_bytes)} is too small for {s.ir.model}: the model state "
             f"takes {format_bytes(state_bytes)} and the checkpoints that do not fit in the "
@@ -145,9 +180,8 @@ def optimizer_pass(s: State) -> tuple[State, list[str]]:
     if s.train.clip_norm is not None:
         return s, [f"clip_norm {s.train.clip_norm:g}: clip_grads after every store, then every unit steps in "
                    "forward order while the next forward streams right behind (docs/DESIGN.md 4.5)"]
-    held = sum(-(-t // PIN_ALIGN) * PIN_ALIGN for t in checkpoint_tensors(s.ir, s.decisions.placement,
-                                                                            s.train.grad_accum))
-    room = s.hw.host_memory_bytes - s.host_floor - held - PAGE
+    held = checkpoint_host_bytes(checkpoint_buffers(s.ir, s.decisions.placement, s.train.grad_accum))
+    room = _host_room(s) - held - PAGE
     split, ring, lines = choose_split(s.ir, s.costs, s.order, s.decisions, s.policy, room)
     return dataclasses.replace(s, decisions=dataclasses.replace(s.decisions, optimizer_split=split,
                                                                 host_grad_ring=ring)), lines
@@ -161,6 +195,15 @@ def lower_pass(s: State) -> tuple[State, list[str]]:
         counts[op.op] = counts.get(op.op, 0) + 1
     return dataclasses.replace(s, ops=tuple(ops)), [
         f"{len(ops)} ops before sync: " + ", ".join(f"{v} {k}" for k, v in counts.items())]
+
+
+def collectives_pass(s: State) -> tuple[State, list[str] | None]:
+    """The world's collectives (collectives.py): shard loads and all_gather, reduce_scatter or all_reduce before
+    each store. One rank: nothing to do (and nothing recorded)."""
+    if s.world.nproc == 1:
+        return s, None
+    ops = lower_collectives(list(s.ops), s.ir, s.world)
+    return dataclasses.replace(s, ops=tuple(ops)), decision_lines(s.ir, s.world, ops)
 
 
 def buffers_pass(s: State) -> tuple[State, list[str]]:
@@ -179,7 +222,7 @@ def buffers_pass(s: State) -> tuple[State, list[str]]:
 
 def sync_pass(s: State) -> tuple[State, list[str]]:
     ops, lines = insert_sync(list(s.ops), s.ir)
-    program = Program(n_micro_batches=s.train.grad_accum, buffers=s.buffers,
+    program = Program(n_micro_batches=s.train.grad_accum, world_size=s.world.nproc, buffers=s.buffers,
                       instrs=tuple(Instr(**op.fields()) for op in ops))
     return dataclasses.replace(s, program=program), lines
 
@@ -202,37 +245,45 @@ def estimate_pass(s: State) -> tuple[State, list[str]]:
 
 
 PASSES: tuple[tuple[str, Pass], ...] = (
-    ("host_policy", host_policy_pass), ("slots", slots_pass), ("checkpoints", checkpoints_pass), ("order", order_pass),
-    ("optimizer", optimizer_pass), ("lower", lower_pass),
+    ("host_policy", host_policy_pass), ("chunks", chunks_pass), ("slots", slots_pass),
+    ("checkpoints", checkpoints_pass), ("order", order_pass),
+    ("optimizer", optimizer_pass), ("lower", lower_pass), ("collectives", collectives_pass),
     ("buffers", buffers_pass), ("sync", sync_pass), ("verify", verify_pass), ("estimate", estimate_pass))
 
 
 def plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_bytes: int | str | None = None,
-         host_policy: str = "auto") -> Plan:
+         host_policy: str = "auto", world: World | None = None) -> Plan:
     """Plan one optimizer step of `ir` on `hardware` under `gpu_budget_bytes` (default: the GPU's memory),
     holding the host state under `host_policy` (a name of host_policy.POLICIES, or auto: the most exact that
-    fits). Raises InfeasiblePlanError (a ValueError) naming the smallest budget that works."""
+    fits). With `world` (World(nproc=R, nnodes=N)): the step of one of R data-parallel ranks, each running
+    grad_accum / R of the global step's micro-batches, the model state sharded (world.py). Raises
+    InfeasiblePlanError (a ValueError) naming the smallest budget that works."""
     paused = gc.isenabled()
     gc.disable()  # NOTE: planning builds ~1e5 small acyclic objects; the cyclic GC would cost ~30% for nothing
     try:
-        return _plan(ir, hardware, train, gpu_budget_bytes, host_policy)
+        return _plan(ir, hardware, train, gpu_budget_bytes, host_policy, world or World())
     finally:
         if paused:
             gc.enable()
 
 
 def _plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_bytes: int | str | None,
-          host_policy: str) -> Plan:
+          host_policy: str, world: World) -> Plan:
     t0 = time.perf_counter()
     hw = resolve_hardware(hardware)
     budget = hw.gpu_memory_bytes if gpu_budget_bytes is None else parse_bytes(gpu_budget_bytes)
     _check_inputs(ir, hw, train, budget)
-    state = State(ir=ir, hw=hw, train=train, budget=budget, costs=CostModel(ir, hw), host_request=host_policy)
+    local = train.replace(grad_accum=world.local_micro_batches(train.grad_accum)) if world.nproc > 1 else train
+    ir = world_ir(ir, world.nproc)
+    ranks = tuple(rank_ir(ir, world.nproc, r) for r in range(world.nproc)) if world.nproc > 1 else ()
+    state = State(ir=ir, hw=hw, train=local, budget=budget, costs=CostModel(ir, hw), host_request=host_policy,
+                  world=world, global_train=train, rank_irs=ranks)
     records = []
     for name, fn in PASSES:
         t = time.perf_counter()
         state, lines = fn(state)
-        records.append(PassRecord(name=name, decisions=tuple(lines), seconds=time.perf_counter() - t))
+        if lines is not None:
+            records.append(PassRecord(name=name, decisions=tuple(lines), seconds=time.perf_counter() - t))
     return Plan(**plan_fields(state, tuple(records), time.perf_counter() - t0))
 
 
@@ -262,7 +313,8 @@ def _suggest(nbytes: int) -> str:
 
 def _dominant(ir: ModelIR, K: int, dec: Decisions, clip: bool, tl: Timeline, hw: Hardware) -> tuple[str, int]:
     """The largest component of the device peak of `dec`'s program."""
-    ops = lower_ops(ir, make_order(len(ir.units), K, dec), dec.placement, clip)
+    # NOTE: compute_only, as exact_timeline lowers: tl.index points into that list
+    ops = lower_ops(ir, make_order(len(ir.units), K, dec), dec.placement, clip, compute_only=True)
     specs = {sp[0]: sp for sp in buffer_specs(ir, K, dec)}
     pos = tl.index[tl.peak_at]
     parts: dict[str, int] = {}

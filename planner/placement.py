@@ -225,6 +225,16 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
     return dec, lines, tl
 
 
+def analytic_time(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, dec: Decisions) -> float:
+    """The search's analytic step time of decisions `dec` (for comparing the searches of other IRs)."""
+    model = _Model(ir, costs, n_micro, clip)
+    place = dec.placement
+    rec = sum(model.rec[i] + (model.rec[i] if p == "rebuild" else 0.0) for i, p in enumerate(place) if p != "keep")
+    off = sum(model.off[i] for i, p in enumerate(place) if p == "host")
+    on = sum(model.on[i] for i, p in enumerate(place) if p == "host")
+    return model.time(dec.n_slots, dec.n_grad_slots, rec, off, on)[0]
+
+
 def _rebuilds(place: list[str]) -> str:
     n = place.count("rebuild")
     return f", {n} rebuild" if n else ""

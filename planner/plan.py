@@ -10,7 +10,9 @@ forward/backward. `peak_buffer_bytes` is the buffers alone, which a sim device's
 byte: fp32 masters (4 per flat element), AdamW moments in the policy's dtype and their step counts, the host
 gradient buffers the program's store_grads land in (a ring for units stepped as they land, one per waiting
 unit), per-parameter gradient norms, the bf16 staging ring the link is fed from, unit buffers (MoE), host
-checkpoints (every offloaded carry tensor), and the pinned region's alignment. No persistent transfer copy.
+checkpoints (every offloaded carry tensor, a pool reused each step: pinned at its exact size, or pageable for
+one longer than a staging chunk), the pinned staging buffers those longer ones cross through
+(runtime/staging.py: 4 x 256 MiB, when any), and the pinned region's alignment. No persistent transfer copy.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from megatrain.ir.program import Program
 
 from .hardware import Hardware
 from .train import TrainSpec
+from .world import World
 
-Bottleneck = Literal["compute", "h2d", "d2h", "host_optimizer"]
+Bottleneck = Literal["compute", "h2d", "d2h", "host_optimizer", "collectives"]
 
 
 class PassRecord(IRModel):
@@ -60,7 +63,8 @@ class Plan(IRModel):
 
     ir: ModelIR
     hardware: Hardware
-    train: TrainSpec
+    train: TrainSpec = Field(description="the global step: with a world, every rank's micro-batches together")
+    world: World = Field(World(), description="the data-parallel ranks; the Program is one rank's step")
     gpu_budget_bytes: int
     program: Program
     passes: tuple[PassRecord, ...]
@@ -78,6 +82,10 @@ class Plan(IRModel):
     memory_timeline: tuple[int, ...] = Field(description="buffers + workspace per compute-stream instruction")
     host_bytes: int = Field(description="host bytes allocated for the step, exactly (host_policy.host_layout)")
     host_breakdown: dict[str, int]
+    host_bytes_per_rank: tuple[int, ...] = Field((), description="host bytes of each rank's share, exactly "
+                                                 "(host_bytes is the largest)")
+    host_bytes_per_node: int = Field(0, description="host bytes of the node holding the most: its ranks' shares")
+    collectives_s: float = Field(0.0, description="seconds of collectives one rank issues per step (comm stream)")
     host_policy: str = Field("exact", description="how the host holds the state (host_policy.POLICIES)")
     host_policy_reason: str = Field("", description="why the host_policy pass chose it")
     step_time_s: float
@@ -95,8 +103,10 @@ class Plan(IRModel):
 
     @property
     def state_bytes_per_param(self) -> float:
-        """Host bytes per parameter before checkpoints: state, gradient buffers, norms, staging."""
-        return (self.host_bytes - self.host_breakdown.get("checkpoints", 0)) / max(1, self.ir.params_total)
+        """Host bytes per parameter before checkpoints (and their staging): state, gradient buffers, norms, the
+        transfer staging ring."""
+        ckpt = self.host_breakdown.get("checkpoints", 0) + self.host_breakdown.get("checkpoint_staging", 0)
+        return (self.host_bytes - ckpt) / max(1, self.ir.params_total)
 
     @property
     def feasible(self) -> bool:
@@ -112,6 +122,9 @@ class Plan(IRModel):
             "peak_buffer_bytes": self.peak_buffer_bytes, "peak_device_bytes": self.peak_device_bytes,
             "host_bytes": self.host_bytes, "host_memory_bytes": self.hardware.host_memory_bytes,
             "host_breakdown": self.host_breakdown, "params": self.ir.params_total,
+            "world": {"nproc": self.world.nproc, "nnodes": self.world.nnodes,
+                      "host_bytes_per_rank": list(self.host_bytes_per_rank),
+                      "host_bytes_per_node": self.host_bytes_per_node, "collectives_s": self.collectives_s},
             "host_policy": {"name": self.host_policy, "bytes_per_param": self.state_bytes_per_param,
                             "reason": self.host_policy_reason},
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
@@ -121,6 +134,7 @@ class Plan(IRModel):
             "link_bound_tokens_per_s": self.link_bound_tokens_per_s,
             "n_slots": self.n_slots, "prefetch_distance": self.prefetch_distance,
             "n_grad_slots": self.n_grad_slots, "n_instructions": len(self.program.instrs),
+            "chunk_tokens": self.ir.chunk_tokens, "traced_seq_len": self.ir.traced_seq_len,
             "planner_seconds": self.planner_seconds,
             "units": [u.model_dump() for u in self.units],
         }

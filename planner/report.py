@@ -28,13 +28,13 @@ def program_host_breakdown(ir: ModelIR, program: Program, policy: HostPolicy | s
         if ins.op == "store_grads" and ins.host_grad is not None:
             assignment[index[ins.unit]] = ins.host_grad
     offloaded = sorted({ins.buffer for ins in program.instrs if ins.op == "offload_act"})
-    tensors = [t.nbytes for name in offloaded for t in ir.unit(program.buffer(name).unit).carry_in]
-    return host_layout(ir, resolve(policy), assignment, tensors)
+    checkpoints = [tuple(t.nbytes for t in ir.unit(program.buffer(name).unit).carry_in) for name in offloaded]
+    return host_layout(ir, resolve(policy), assignment, checkpoints)
 
 
 def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dict:
     ir, hw, train, costs, dec, est, tl = s.ir, s.hw, s.train, s.costs, s.decisions, s.estimate, s.timeline
-    K = train.grad_accum
+    K = train.grad_accum  # this rank's micro-batches (a world's rank runs its share of the global step)
     order = s.order
     units = []
     for i, u in enumerate(ir.units):
@@ -48,26 +48,33 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
             forward_s=K * costs.fwd[i], backward_s=K * costs.backward(i, place == "keep", place == "rebuild"),
             h2d_s=costs.load[i] * (1 if resident else 2) + (K * costs.reload[i] if host else 0.0),
             d2h_s=costs.store[i] + (K * costs.offload[i] if host else 0.0), optimizer_s=costs.opt[i]))
-    host = program_host_breakdown(ir, s.program, s.policy)
-    tokens = train.tokens_per_step
+    per_rank = [program_host_breakdown(r, s.program, s.policy) for r in s.rank_irs or (ir,)]
+    totals = [sum(h.values()) for h in per_rank]
+    host = per_rank[totals.index(max(totals))]  # the rank holding the most
+    L = s.world.ranks_per_node
+    tokens = (s.global_train or train).tokens_per_step  # every rank's tokens: the world's throughput
     model_flops = costs.model_flops_per_step(K)
     step = est.step_time_s
     flops = hw.flops(ir.dtype)
     db = dtype_bytes(ir.dtype)
-    h2d_once = sum(u.flat_numel * db for u in ir.units) / hw.h2d_bytes_per_s
-    d2h_once = sum(u.flat_numel * 4 for u in ir.units) / hw.d2h_bytes_per_s
+    crossing = sum(u.flat_numel for u in (s.rank_irs[0] if s.rank_irs else ir).units)  # elements per link pass
+    h2d_once = crossing * db / hw.h2d_bytes_per_s
+    d2h_once = crossing * 4 / hw.d2h_bytes_per_s
     peak_ins = s.program.instrs[tl.index[tl.peak_at]] if tl.index else None
     return dict(
-        ir=ir, hardware=hw, train=train, gpu_budget_bytes=s.budget, program=s.program, passes=passes,
+        ir=ir, hardware=hw, train=s.global_train or train, world=s.world, gpu_budget_bytes=s.budget, program=s.program, passes=passes,
         n_slots=dec.n_slots, prefetch_distance=dec.prefetch_distance, n_grad_slots=dec.n_grad_slots,
         slot_bytes=s.buffers[0].nbytes, grad_slot_bytes=s.buffers[dec.n_slots].nbytes,
         placement={u.name: p for u, p in zip(ir.units, dec.placement)}, units=tuple(units),
         peak_gpu_bytes=hw.gpu_bytes(tl.peak), peak_device_bytes=tl.peak, peak_buffer_bytes=tl.peak_buffers,
         peak_at=f"{tl.index[tl.peak_at]}: {str(peak_ins).strip()}" if peak_ins else "",
         memory_timeline=tuple(tl.total), host_bytes=sum(host.values()), host_breakdown=host,
+        host_bytes_per_rank=tuple(totals),
+        host_bytes_per_node=max(sum(totals[n * L:(n + 1) * L]) for n in range(s.world.nnodes)),
         host_policy=s.policy.name, host_policy_reason=s.host_reason,
         step_time_s=step, first_step_s=est.first_step_s, tokens_per_s=tokens / step,
         model_tflops=model_flops / step / 1e12, mfu=model_flops / step / hw.peak(ir.dtype),
         bottleneck=est.bottleneck, bottleneck_share=est.bottleneck_share, critical_path_s=est.critical_s,
         busy_s=est.busy_s, compute_bound_tokens_per_s=tokens / (max(model_flops, 1) / flops),
+        collectives_s=sum(d for d, ins in zip(est.duration_s, s.program.instrs) if ins.stream == "comm"),
         link_bound_tokens_per_s=tokens / max(h2d_once, d2h_once), planner_seconds=seconds)

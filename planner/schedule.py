@@ -22,7 +22,7 @@ from megatrain.ir.model_ir import ModelIR
 Placement = str  # "device" | "host" | "keep" | "rebuild"
 PLACEMENTS = ("device", "host", "keep", "rebuild")
 INSTR_FIELDS = ("op", "stream", "unit", "mb", "slot", "grad_slot", "event", "buffer", "keep_graph",
-                "accumulate", "rebuild", "norm", "host_grad", "reads", "writes", "workspace_bytes")
+                "accumulate", "rebuild", "norm", "host_grad", "shard", "reads", "writes", "workspace_bytes")
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,12 @@ class Op:
     def __init__(self, op: str, stream: str, unit: str | None = None, mb: int | None = None,
                  slot: int | None = None, grad_slot: int | None = None, event: str | None = None,
                  buffer: str | None = None, keep_graph: bool = False, accumulate: bool = False,
-                 rebuild: bool = False, norm: bool = False, host_grad: int | None = None,
+                 rebuild: bool = False, norm: bool = False, host_grad: int | None = None, shard: bool = False,
                  reads: tuple[str, ...] = (), writes: tuple[str, ...] = (), workspace_bytes: int = 0):
         self.op, self.stream, self.unit, self.mb = op, stream, unit, mb
         self.slot, self.grad_slot, self.event, self.buffer = slot, grad_slot, event, buffer
         self.keep_graph, self.accumulate, self.rebuild = keep_graph, accumulate, rebuild
-        self.norm, self.host_grad = norm, host_grad
+        self.norm, self.host_grad, self.shard = norm, host_grad, shard
         self.reads, self.writes, self.workspace_bytes = reads, writes, workspace_bytes
 
     def fields(self) -> dict:

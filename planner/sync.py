@@ -20,10 +20,11 @@ from megatrain.ir.model_ir import ModelIR
 
 from .schedule import Op
 
-STREAMS = ("compute", "h2d", "d2h", "host")
+STREAMS = ("compute", "h2d", "d2h", "host", "comm")
 _TAGS = {"load_params": "load", "forward": "fwd", "backward": "bwd", "store_grads": "store",
          "optimizer_step": "opt", "offload_act": "offloaded", "load_act": "loaded", "alloc": "alloc",
-         "free": "freed", "clip_grads": "clip"}
+         "free": "freed", "clip_grads": "clip", "all_gather": "gathered", "reduce_scatter": "reduced",
+         "all_reduce": "reduced"}
 
 
 def tied_owners(ir: ModelIR) -> dict[str, list[str]]:
@@ -116,8 +117,8 @@ def insert_sync(ops: list[Op], ir: ModelIR) -> tuple[list[Op], list[str]]:
     acc = [accesses(op, owners, users, names, hgrad) for op in ops]
     deps = _dependencies(ops, acc)
     sid = [STREAMS.index(op.stream) for op in ops]
-    counts = [sid.count(s) for s in range(4)]
-    local, seen = [], [0, 0, 0, 0]
+    counts = [sid.count(s) for s in range(len(STREAMS))]
+    local, seen = [], [0] * len(STREAMS)
     for s in sid:
         local.append(seen[s])
         seen[s] += 1
@@ -126,7 +127,7 @@ def insert_sync(ops: list[Op], ir: ModelIR) -> tuple[list[Op], list[str]]:
     seqs = ([local[j] for j in range(n)], [counts[sid[j]] + local[j] for j in range(n)])
     clocks: tuple[list, list] = ([None] * n, [None] * n)
     waits: list[list[tuple[int, int]]] = [[] for _ in ops]
-    last = [(-1, -1, -1, -1)] * 4
+    last = [(-1,) * len(STREAMS)] * len(STREAMS)
     for copy in (0, 1):
         mine = clocks[copy]
         for i in range(n):
@@ -139,9 +140,7 @@ def insert_sync(ops: list[Op], ir: ModelIR) -> tuple[list[Op], list[str]]:
                     src_copy = 0
                 if clock[sid[j]] >= seqs[src_copy][j]:
                     continue  # already ordered
-                other = clocks[src_copy][j]
-                clock = (max(clock[0], other[0]), max(clock[1], other[1]), max(clock[2], other[2]),
-                         max(clock[3], other[3]))
+                clock = tuple(map(max, clock, clocks[src_copy][j]))
                 if copy == 1:
                     waits[i].append((src_copy, j))
             clock = clock[:s] + (seqs[copy][i],) + clock[s + 1:]

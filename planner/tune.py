@@ -86,12 +86,13 @@ def pareto_flags(points: Sequence[tuple[int, float] | None]) -> list[bool]:
 def tune(model, hardware: Hardware | str, train: TrainSpec, budgets: Sequence[int | str],
          micro_batches: Sequence[int] | None = None,
          trace_fn: Callable[[object, int, TrainSpec], ModelIR] | None = None,
-         depth_ranks: Sequence[int] | None = None, host_policy: str = "auto") -> TuneResult:
+         depth_ranks: Sequence[int] | None = None, host_policy: str = "auto", world=None) -> TuneResult:
     """Plan every (micro-batch, budget) pair, and every DepthSSD rank in `depth_ranks` if given. `model` is a
     preset/config name, a ModelConfig or a ModelIR; a ModelIR at another micro-batch is re-traced from its
     config (synthetic ones rebuilt). Each (rank, micro-batch) is traced once (for the kernels of
     `hardware.device`); `train.micro_batch` is replaced by each value. The Pareto front is per rank: a
-    larger N trades speed for quality, which the front cannot weigh."""
+    larger N trades speed for quality, which the front cannot weigh. `world`: plan one rank of a data-parallel
+    world (planner/world.py) for every row."""
     hw = resolve_hardware(hardware)
     sizes = [parse_bytes(b) for b in budgets]
     mbs = list(micro_batches) if micro_batches else [train.micro_batch]
@@ -118,7 +119,7 @@ def tune(model, hardware: Hardware | str, train: TrainSpec, budgets: Sequence[in
             for budget in sizes:
                 try:
                     rows.append(TuneRow(depth_rank=rank, micro_batch=mb, gpu_budget_bytes=budget, feasible=True,
-                                        plan=plan(ir, hw, spec, budget, host_policy=host_policy)))
+                                        plan=plan(ir, hw, spec, budget, host_policy=host_policy, world=world)))
                 except InfeasiblePlanError as e:
                     rows.append(TuneRow(depth_rank=rank, micro_batch=mb, gpu_budget_bytes=budget, feasible=False,
                                         error=str(e), needed_bytes=e.needed_bytes))

@@ -16,7 +16,10 @@ step boundary are checked too. What it checks:
 - host gradient buffers: store_grads(u) and optimizer_step(u) name the same `host_grad`; the next store into
   that buffer (this step or the next) waits until every reader of u's gradient is done (its step, its tied
   owner's step, clip_grads); each unit's last micro-batch's backward, and only it, writes the norms (`norm`);
-- layer-major order and at most one load per unit per pass; the peak against the budget.
+- layer-major order and at most one load per unit per pass; the peak against the budget;
+- a world program's collectives (collectives.py `check_collectives`): every read of a sharded unit's slot
+  after its all_gather, which follows the unit's shard load; one gradient collective per unit, after its last
+  backward and before its store, of the kind (reduce_scatter, all_reduce) its shard flags say.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from collections import defaultdict
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Instr, Program
 
+from .collectives import check_collectives
 from .errors import ScheduleError
 from .hardware import Hardware
 from .sync import STREAMS, tied_owners
@@ -39,9 +43,9 @@ class HappensBefore:
         instrs = program.instrs
         self.problems: list[str] = []
         self.sid = [STREAMS.index(ins.stream) for ins in instrs]
-        self.counts = [self.sid.count(s) for s in range(4)]
+        self.counts = [self.sid.count(s) for s in range(len(STREAMS))]
         self.local: list[int] = []
-        seen = [0, 0, 0, 0]
+        seen = [0] * len(STREAMS)
         for s in self.sid:
             self.local.append(seen[s])
             seen[s] += 1
@@ -53,7 +57,7 @@ class HappensBefore:
                                          f"and {i}); each event marks one point per step")
                 records[ins.event] = i
         self.clock: list[list[list[int]]] = [[], []]
-        last = [[-1] * 4 for _ in range(4)]
+        last = [[-1] * len(STREAMS) for _ in range(len(STREAMS))]
         for copy in (0, 1):
             for i, ins in enumerate(instrs):
                 s = self.sid[i]
@@ -93,7 +97,8 @@ def check(program: Program, *, ir: ModelIR | None = None, budget_bytes: int | No
     problems += _check_grads(instrs, hb)
     problems += _check_buffers(program, hb)
     problems += _check_host(instrs, hb, ir)
-    problems += _check_host_grads(instrs, hb, ir)
+    problems += _check_host_grads(instrs, hb, ir, program.world_size)
+    problems += check_collectives(program, hb, _at)
     problems += _check_order(instrs, program.n_micro_batches, ir)
     if budget_bytes is not None:
         peak = program_timeline(program).peak
@@ -302,7 +307,8 @@ def _check_host(instrs: tuple[Instr, ...], hb: HappensBefore, ir: ModelIR | None
     return problems
 
 
-def _check_host_grads(instrs: tuple[Instr, ...], hb: HappensBefore, ir: ModelIR | None) -> list[str]:
+def _check_host_grads(instrs: tuple[Instr, ...], hb: HappensBefore, ir: ModelIR | None,
+                      world_size: int = 1) -> list[str]:
     problems = []
     store = {ins.unit: i for i, ins in enumerate(instrs) if ins.op == "store_grads"}
     opt = {ins.unit: i for i, ins in enumerate(instrs) if ins.op == "optimizer_step"}
@@ -330,8 +336,8 @@ def _check_host_grads(instrs: tuple[Instr, ...], hb: HappensBefore, ir: ModelIR 
     for i, ins in enumerate(instrs):
         if ins.op == "backward":
             last[ins.unit] = i
-    for i, ins in enumerate(instrs):
-        if ins.op == "backward" and ins.norm != (last[ins.unit] == i):
+    for i, ins in enumerate(instrs):  # (in a world program the gradient collective writes the norms)
+        if ins.op == "backward" and world_size == 1 and ins.norm != (last[ins.unit] == i):
             want = "norm=True (its gradients are final here)" if ins.norm is False else "no norm (later micro-batches add to its gradients)"
             problems.append(f"{_at(i, ins)} should have {want}")
     return problems

@@ -273,51 +273,68 @@ def save_checkpoint(root: str | Path, step: int, store, meta: dict, rng: dict[st
     `meta` (model, train, data, plan_sha256, ...) goes into the manifest; `extra` maps a relative name in the
     checkpoint (`hf/tokenizer.json`) to a small file copied in, listed and hashed like the rest;
     `after_file(name)` runs after each file is written (the trainer's test hook)."""
+    root, final, tmp = begin_save(root, step)
+    try:
+        files = {}
+        for unit in _layout(store):
+            files[unit["file"]] = write_unit(tmp, unit["file"], store.state_tensors(unit["name"]), unit["name"])
+            if after_file:
+                after_file(unit["file"])
+        finish_save(root, final, tmp, {"step": step, **meta, "host_policy": store.policy.name,
+                                       "units": _layout(store)}, files, rng, extra, keep)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def begin_save(root: str | Path, step: int, owner: int | None = None) -> tuple[Path, Path, Path]:
+    """(ROOT, its step-<step> folder, the hidden temporary folder a save writes into, made empty); `owner` is
+    the pid in the temporary's name (default: this process)."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     remove_stale(root)
     final = root / f"step-{step:08d}"
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    tmp = root / f".{final.name}.tmp-{owner or os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    try:
-        files = {}
-        for unit in _layout(store):
-            state = store.state_tensors(unit["name"])
-            _refuse_non_finite(state, unit["name"])
-            files[unit["file"]] = write_safetensors(tmp / unit["file"], state.items())
-            if after_file:
-                after_file(unit["file"])
-        files[STATE_FILE] = write_safetensors(tmp / STATE_FILE, sorted((rng or {}).items()))
-        for name, src in sorted((extra or {}).items()):
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            files[name] = copy_file(src, tmp / name)
-            fsync_dir((tmp / name).parent)
-        from megatrain import __version__
+    return root, final, tmp
 
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, **meta,
-                    "host_policy": store.policy.name, "units": _layout(store),
-                    "files": files, "megatrain_version": __version__,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-        manifest["manifest_sha256"] = _manifest_digest(manifest)
-        _write_json(tmp / MANIFEST, manifest)
-        fsync_dir(tmp)
-        old = None
-        if final.exists():  # a rerun from an earlier checkpoint reaches this step again: replace it
-            old = root / f".{final.name}.old-{os.getpid()}"
-            os.replace(final, old)
-        os.replace(tmp, final)
-        fsync_dir(root)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+def write_unit(tmp: Path, name: str, state: dict[str, torch.Tensor], unit: str) -> dict:
+    """One unit's state file (never a non-finite master), fsynced; returns its record."""
+    _refuse_non_finite(state, unit)
+    return write_safetensors(tmp / name, state.items())
+
+
+def finish_save(root: Path, final: Path, tmp: Path, body: dict, files: dict, rng: dict | None,
+                extra: dict[str, Path] | None, keep: int | None) -> None:
+    """Write the RNG state, the extra files and the manifest (`body` + files, format, version, ...) into `tmp`,
+    fsync, rename it to `final`, and keep the last `keep` checkpoints."""
+    files[STATE_FILE] = write_safetensors(tmp / STATE_FILE, sorted((rng or {}).items()))
+    for name, src in sorted((extra or {}).items()):
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        files[name] = copy_file(src, tmp / name)
+        fsync_dir((tmp / name).parent)
+    from megatrain import __version__
+
+    manifest = {"format": FORMAT, "version": VERSION, **body, "files": files, "megatrain_version": __version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
+    _write_json(tmp / MANIFEST, manifest)
+    fsync_dir(tmp)
+    old = None
+    if final.exists():  # a rerun from an earlier checkpoint reaches this step again: replace it
+        old = root / f".{final.name}.old-{os.getpid()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     if keep:
         for _, path in step_dirs(root)[:-keep]:
             doomed = root / f".{path.name}.del-{os.getpid()}"
             os.replace(path, doomed)  # NOTE: rename first, so a half-deleted folder never looks like a checkpoint
             shutil.rmtree(doomed, ignore_errors=True)
-    return final
 
 
 def _refuse_non_finite(state: dict[str, torch.Tensor], unit: str) -> None:
@@ -407,7 +424,13 @@ def _read_state(ckpt: Path, files: dict, fix: str) -> dict[str, torch.Tensor]:
 
 def read_masters(ckpt: Path, manifest: dict, unit: dict, buffers: bool = False) -> dict[str, torch.Tensor]:
     """One unit's fp32 master weights by parameter name, then (with `buffers`) its buffers by name, verified
-    (export reads them unit by unit)."""
+    (export reads them unit by unit); a sharded unit's are gathered from its shards (sharded_checkpoint.py)."""
+    if manifest.get("world"):
+        from .sharded_checkpoint import read_masters as read_sharded
+
+        found = read_sharded(ckpt, manifest, unit, buffers)
+        if found is not None:
+            return found
     entries = [("master", p) for p in unit["params"]] + [("buffer", b) for b in unit.get("buffers", ()) if buffers]
     targets = {f"{kind}/{e['name']}": torch.empty(e["shape"], dtype=torch.float32) for kind, e in entries}
     _read_checked(ckpt, unit["file"], manifest["files"], targets, _earlier(ckpt), exact=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from megatrain.files import (
     write_atomic,
 )
 from megatrain.planner.bytesize import format_bytes, parse_bytes
-from megatrain.planner.cli import _common, _hardware, _model, _train
+from megatrain.planner.cli import _common, _hardware, _model, _train, _world
 from megatrain.planner.train import MAX_STEPS
 
 
@@ -80,6 +81,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "--checkpoint-dir; --steps is the run's total, so pass the same settings as the first run")
     t.add_argument("--allow-data-change", action="store_true", help="with --resume: continue although the data "
                    "file's bytes differ from the checkpoint's record of them (a deliberate switch of data)")
+    t.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="under torchrun: how long a collective may wait for the other ranks before the run stops "
+                   "with an error naming the rank (a rank that dies is named within a tenth of it; default 600)")
     t.add_argument("--on-nan", choices=("abort", "skip"), default="abort",
                    help="a NaN/inf loss or gradient: abort (default: stop, keep the last checkpoint) or skip "
                    "(apply no update for that step, log it, go on)")
@@ -197,8 +201,40 @@ def _check_checkpoint_dir(ckpt_dir: str, inputs: dict) -> None:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    """`megatrain train`, on one process or as one rank of torchrun's world."""
+    from .distributed import Communicator, world_from_env
+
+    size = world_from_env()
+    want = (args.nproc or 1, args.nnodes or 1)
+    if size <= 1:
+        _need(want == (1, 1), f"--nproc {want[0]} --nnodes {want[1]} trains several ranks: launch them with torchrun "
+              f"--nnodes {want[1]} --nproc-per-node {want[0] // want[1]} -m megatrain train ... (one process per GPU)")
+        return _run_train(args, *_device_and_hardware(args))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+    _need(args.nproc in (None, size) and args.nnodes in (None, size // max(local, 1)),
+          f"--nproc {args.nproc} --nnodes {args.nnodes} but torchrun started {size} rank(s) on "
+          f"{size // max(local, 1)} node(s): drop the flags or make them agree")
+    _need(math.isfinite(args.dist_timeout) and args.dist_timeout > 0,
+          f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
+    device, hardware = _device_and_hardware(args)
+    comm = Communicator.from_env(device, timeout_s=args.dist_timeout)
+    with comm.guard():
+        code = _run_train(args, device, hardware, comm)
+        comm.close()
+    return code
+
+
+def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> int:
+    from .distributed import UNVERIFIED_NCCL
     from .runfile import effective_settings
     from .trainer import Preempted, Trainer
+
+    def say(*a, **kw):  # rank 0 speaks for the world
+        if comm is None or comm.rank == 0:
+            print(*a, **kw)
+
+    if comm is not None and comm.rank != 0:  # rank 0 writes the run's outputs (the Trainer: its metrics)
+        args.trace = args.plot = None
 
     _check_train_flags(args)
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
@@ -226,29 +262,35 @@ def run_train(args: argparse.Namespace) -> int:
     if ckpt_dir and args.checkpoint_every:
         _check_checkpoint_dir(ckpt_dir, inputs)
         writable_dir(ckpt_dir, "--checkpoint-dir")
-    device, hardware = _device_and_hardware(args)
     settings = effective_settings(args)
-    print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
+    say("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     model = _model(args)  # a model folder is passed as the folder: the Trainer loads its weights
     with Trainer(args.model if Path(args.model).is_dir() else model, spec, budget, hardware=hardware,
                  device=device, data=data, val_data=val, metrics_path=args.metrics, checkpoint_dir=ckpt_dir,
                  checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                  resume=args.resume, on_nan=args.on_nan, pack=args.pack, settings=settings,
-                 allow_data_change=args.allow_data_change, host_policy=args.host_policy) as trainer:
+                 allow_data_change=args.allow_data_change, host_policy=args.host_policy, comm=comm) as trainer:
         p = trainer.plan
-        print(f"{p.ir.model}: {p.ir.params_total:,} params streamed through a {trainer.device.kind} device with "
+        if comm is not None:
+            say(f"{p.world}: each streams the model on its {p.program.n_micro_batches} of the step's "
+                f"{p.train.grad_accum} micro-batch(es) and holds 1/{comm.size} of the model state (host "
+                f"{format_bytes(p.host_bytes)} per rank, {format_bytes(p.host_bytes_per_node)} per node)")
+            if comm.backend == "nccl":
+                say(f"note: {UNVERIFIED_NCCL}")
+        say(f"{p.ir.model}: {p.ir.params_total:,} params streamed through a {trainer.device.kind} device with "
               f"a {format_bytes(budget)} budget ({p.n_slots} parameter slot(s); planned device peak "
               f"{format_bytes(trainer.planned_peak_device_bytes)}; host {format_bytes(trainer.store.host_bytes())} "
-              f"under host policy {p.host_policy})")
+              f"under host policy {p.host_policy})"
+              + (f"; units tiled in chunks of {p.ir.chunk_tokens:,} tokens" if p.ir.chunk_tokens else ""))
         if args.on_nan == "skip" and args.clip_norm is None:
-            print("--on-nan skip: each step's host optimizer starts once every gradient has landed (a global "
+            say("--on-nan skip: each step's host optimizer starts once every gradient has landed (a global "
                   "finiteness check), as with --clip-norm")
         if trainer.resumed_from:
             note = (" under a different step program (the results do not depend on it)" if trainer.plan_changed
                     else "")
-            print(f"resumed from {trainer.resumed_from} at step {trainer.step} of {args.steps}{note}")
+            say(f"resumed from {trainer.resumed_from} at step {trainer.step} of {args.steps}{note}")
             if trainer.step >= args.steps:
-                print(f"nothing left to train: the checkpoint is at step {trainer.step} of --steps {args.steps}")
+                say(f"nothing left to train: the checkpoint is at step {trainer.step} of --steps {args.steps}")
                 return 0
         if args.trace or args.plot:
             trainer.engine.start_timeline()
@@ -256,25 +298,25 @@ def run_train(args: argparse.Namespace) -> int:
             records = trainer.run(args.steps - trainer.step, log_every=args.log_every, eval_every=args.eval_every,
                                   progress=not args.no_progress)
         except Preempted as stop:
-            print(f"error: {stop}", file=sys.stderr, flush=True)
+            say(f"error: {stop}", file=sys.stderr, flush=True)
             return stop.exit_code
         spans = trainer.engine.measured_spans() if args.trace or args.plot else []
         if args.trace:
             from .timeline import write_measured_trace
 
             n = write_measured_trace(spans, args.trace, f"megatrain train: {p.ir.model} on {trainer.device.kind}")
-            print(f"wrote {n} spans to {args.trace}")
+            say(f"wrote {n} spans to {args.trace}")
         if args.plot:
             _plot_run(p, spans, args.plot)
         if trainer.last_checkpoint and trainer.last_checkpoint != trainer.resumed_from:
-            print(f"checkpoint: {trainer.last_checkpoint}")
+            say(f"checkpoint: {trainer.last_checkpoint}")
         if trainer.events:
-            print(f"{len(trainer.events)} step(s) skipped for a NaN/inf (--on-nan skip): "
+            say(f"{len(trainer.events)} step(s) skipped for a NaN/inf (--on-nan skip): "
                   f"{', '.join(str(e['step']) for e in trainer.events)}")
         last = records[-1] if records else {}
         first = records[0] if records else {}
         if records:
-            print(json.dumps({"first_loss": round(first["loss"], 4), "last_loss": round(last["loss"], 4),
+            say(json.dumps({"first_loss": round(first["loss"], 4), "last_loss": round(last["loss"], 4),
                               "val_loss": last.get("val_loss"), "tokens_per_s": round(last["tokens_per_s"], 1),
                               "peak_device_bytes": last["peak_device_bytes"],
                               "planned_peak_device_bytes": last["planned_peak_device_bytes"]}))
@@ -324,7 +366,8 @@ def run_compile(args: argparse.Namespace) -> int:
     hw = _hardware(args)
     spec = _train(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
-    result = plan(_load_ir(_model(args), spec, hw), hw, spec, budget, host_policy=args.host_policy)
+    result = plan(_load_ir(_model(args), spec, hw), hw, spec, budget, host_policy=args.host_policy,
+                  world=_world(args))
     out = Path(args.out)
     write_atomic(out, emit(result), "-o")
     print(f"wrote {len(result.program.instrs)} instructions to {out} (peak {format_bytes(result.peak_gpu_bytes)} "

@@ -5,9 +5,10 @@ Where it sits: the bottom of the runtime. The engine (runtime/engine.py) walks a
 the streams only through events, exactly the semantics of ir/README.md. The same program runs on both kinds.
 Run its tests: `.venv/bin/pytest tests/runtime/test_device.py` (the CUDA ones: `make test-cuda`).
 
-- Streams: `compute`, `h2d`, `d2h`, `host`. Each has one worker thread with a FIFO queue. On `sim` the worker
-  runs the work; on `cuda` the workers of the three GPU streams *issue* work on their torch.cuda.Stream (so a
-  GPU stream that waits on a host event blocks only its own issuing), and `host` runs Python on a thread.
+- Streams: `compute`, `h2d`, `d2h`, `host`, `comm` (collectives, idle on one rank). Each has one worker
+  thread with a FIFO queue. On `sim` the worker runs the work; on `cuda` the workers of the four GPU streams
+  *issue* work on their torch.cuda.Stream (so a GPU stream that waits on a host event blocks only its own
+  issuing; NCCL orders its collectives after the comm stream's work), and `host` runs Python on a thread.
 - Events are keyed `(name, step)`. A stream records an event each step; `wait(name, s)` is satisfied once the
   record of step `s` (or a later one: a stream records in step order) has run. Cross-step waits (ir/README.md)
   wait on `step - 1`; a wait on a step before the device's first step is a no-op. The first step is the step
@@ -17,8 +18,9 @@ Run its tests: `.venv/bin/pytest tests/runtime/test_device.py` (the CUDA ones: `
   queue), blocked waits abort, and `synchronize()` raises DeviceError naming the op (its `__cause__` is the
   original error). A wait that no stream can ever satisfy is reported by `synchronize()` as a deadlock.
 - Worker threads have their own torch thread-local state (grad mode, inference mode, current CUDA stream):
-  submitted functions set what they need. Intra-op threads are left as torch sets them; on a small machine
-  (2 cores) four workers and torch's pool share the cores, which is fine for tests but not a benchmark.
+  submitted functions set what they need. Each worker sets its intra-op threads from the device's CPU budget
+  (cpus.py: on cuda the host optimizer gets the cores the issuing threads do not need, and the process is
+  bound to the GPU's NUMA node when one is known) before its first op; `cpu` holds the budget.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ from collections.abc import Callable
 
 import torch
 
-STREAMS = ("compute", "h2d", "d2h", "host")
-GPU_STREAMS = ("compute", "h2d", "d2h")
+from .cpus import CpuBudget
+from .cpus import resolve as resolve_cpus
+
+STREAMS = ("compute", "h2d", "d2h", "host", "comm")
+GPU_STREAMS = ("compute", "h2d", "d2h", "comm")  # comm: a world program's collectives (runtime/distributed.py)
 
 # Queue items: (kind, payload...). MARK items are processed even after a failure, so synchronize() returns.
 _OP, _RECORD, _WAIT, _MARK, _STOP = "op", "record", "wait", "mark", "stop"
@@ -143,8 +148,9 @@ class Device:
     kind: str = "base"
     STREAMS = STREAMS
 
-    def __init__(self, budget_bytes: int | None, torch_device: torch.device):
+    def __init__(self, budget_bytes: int | None, torch_device: torch.device, cpu: CpuBudget | None = None):
         self.torch_device = torch_device
+        self.cpu = cpu if cpu is not None else resolve_cpus(self.kind)
         self.pool = MemoryPool(budget_bytes)
         self._events = _EventTable()
         self._lock = threading.Lock()
@@ -160,7 +166,11 @@ class Device:
         self._threads: dict[str, threading.Thread] = {}
 
     # -- subclass hooks ------------------------------------------------------------------------------------
-    def _worker_init(self, stream: str) -> None: ...
+    def _worker_init(self, stream: str) -> None:
+        # NOTE: torch initialises a thread's intra-op count lazily from the process-wide one at its first
+        # parallel op, which would undo a set_num_threads made before it: initialise first, then set
+        torch.get_num_threads()
+        torch.set_num_threads(self.cpu.threads[stream])
 
     def _before(self, stream: str) -> None: ...
 
@@ -184,6 +194,10 @@ class Device:
     @property
     def failed(self) -> bool:
         return self._failure is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def submit(self, stream: str, fn: Callable[[], None], label: str) -> None:
         """Enqueue `fn` on `stream`; returns immediately. `label` names the op in errors."""
@@ -262,6 +276,12 @@ class Device:
         """dst.copy_(src), asynchronous on cuda. Call it from inside a submitted fn."""
         dst.copy_(src)
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of a small device tensor (routing statistics), from inside a submitted fn: the tensor
+        itself on sim; on cuda a non-blocking copy into pinned memory on the current stream, readable once a
+        later record of this stream has been waited for."""
+        return t.to("cpu")
+
     def stage_copy(self, dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
         """dst.copy_(src) through `stage`, a pinned host buffer of dst's dtype: `src` (host, another dtype) is
         cast into it on this thread, then copied. On cuda the cast first waits for the previous copy out of
@@ -271,6 +291,17 @@ class Device:
 
     def measured_peak_bytes(self) -> int:
         return self.pool.peak
+
+    def memory_report(self) -> dict[str, int]:
+        """Measured device memory since the last reset_peak(), each figure beside the plan figure it compares
+        with (trainer.py `planned_memory`): `peak_device_bytes`, tensors allocated (sim: the pool's program
+        buffers, exact); `peak_reserved_bytes`, what the allocator held (sim: the same); on cuda also
+        `device_used_bytes`, the whole GPU's use now from cudaMemGetInfo (context, library workspaces and
+        other processes included) and `device_total_bytes`."""
+        return {"peak_device_bytes": self.pool.peak, "peak_reserved_bytes": self.pool.peak}
+
+    def limit_allocator(self, nbytes: int) -> None:
+        """Enforce `nbytes` on the process's device allocations (on sim the pool's budget does already)."""
 
     def reset_peak(self) -> None:
         """Start a new peak measurement (pool and, on cuda, torch's allocator statistics)."""
@@ -317,10 +348,17 @@ class Device:
             self._queues[stream].put(item)
 
     def _start_workers(self) -> None:
+        # NOTE: a worker's set_num_threads also sets the process-wide count that threads initialise from
+        # lazily; wait for every worker to set its own, then restore this thread's (and so the process's)
+        own = torch.get_num_threads()
+        self._started = {s: threading.Event() for s in STREAMS}
         for s in STREAMS:
             thread = threading.Thread(target=self._loop, args=(s,), name=f"megatrain-{self.kind}-{s}", daemon=True)
             self._threads[s] = thread
             thread.start()
+        for s in STREAMS:
+            self._started[s].wait()
+        torch.set_num_threads(own)
 
     def _loop(self, stream: str) -> None:
         q = self._queues[stream]
@@ -328,6 +366,8 @@ class Device:
             self._worker_init(stream)
         except BaseException as exc:
             self._fail(stream, f"start of the {stream} worker", exc)
+        finally:
+            self._started[stream].set()
         while True:
             kind, a, b, label = q.get()
             if kind == _STOP:
@@ -414,12 +454,13 @@ class SimDevice(Device):
 
     kind = "sim"
 
-    def __init__(self, budget_bytes: int | None = None, delays: tuple[float, float] | None = None, seed: int = 0):
+    def __init__(self, budget_bytes: int | None = None, delays: tuple[float, float] | None = None, seed: int = 0,
+                 cpu: CpuBudget | None = None):
         if delays is not None:
             lo, hi = delays
             if not 0 <= lo <= hi:
                 raise ValueError(f"delays must be (lo, hi) seconds with 0 <= lo <= hi, got {delays}")
-        super().__init__(budget_bytes, torch.device("cpu"))
+        super().__init__(budget_bytes, torch.device("cpu"), cpu)
         self._delays = delays
         self._rngs = {s: random.Random(f"{seed}:{s}") for s in STREAMS}
         self._start_workers()
@@ -441,14 +482,20 @@ class CudaDevice(Device):
 
     kind = "cuda"
 
-    def __init__(self, budget_bytes: int | None = None, index: int = 0):
+    def __init__(self, budget_bytes: int | None = None, index: int = 0,
+                 gpu_delays: tuple[int, int] | None = None, seed: int = 0):
+        """`gpu_delays`: (lo, hi) GPU clock cycles of torch.cuda._sleep queued on a GPU stream before each of
+        its ops (drawn per stream from `seed`), so the GPU, not only the issuing threads, runs the streams
+        out of step; the CUDA twin of SimDevice's delays, for ordering tests."""
+        if gpu_delays is not None and not 0 <= gpu_delays[0] <= gpu_delays[1]:
+            raise ValueError(f"gpu_delays must be (lo, hi) cycles with 0 <= lo <= hi, got {gpu_delays}")
         if not torch.cuda.is_available():
             raise ValueError("CUDA is not available on this machine (torch.cuda.is_available() is False); "
                              "use --device sim to run on the CPU")
         if not 0 <= index < torch.cuda.device_count():
             raise ValueError(f"CUDA device index {index} out of range; this machine has "
                              f"{torch.cuda.device_count()} GPU(s)")
-        super().__init__(budget_bytes, torch.device("cuda", index))
+        super().__init__(budget_bytes, torch.device("cuda", index), resolve_cpus("cuda", index))
         self._streams = {s: torch.cuda.Stream(device=self.torch_device) for s in GPU_STREAMS}
         self._cuda_lock = threading.Lock()
         # Issued GPU records not yet known complete: name -> {step: event}. Completed ones are pruned;
@@ -456,10 +503,19 @@ class CudaDevice(Device):
         self._cuda_events: dict[str, dict[int, torch.cuda.Event]] = {}
         self._stage_events: dict[int, torch.cuda.Event] = {}  # staging buffer -> its last copy's event
         self._host_arena = None
+        self._limited = False  # limit_allocator() capped the allocator
+        self._gpu_delays = gpu_delays
+        self._rngs = {s: random.Random(f"{seed}:{s}") for s in GPU_STREAMS}
         self._start_workers()
 
     def _worker_init(self, stream: str) -> None:
+        super()._worker_init(stream)
         torch.cuda.set_device(self.torch_device)
+
+    def _before(self, stream: str) -> None:
+        if self._gpu_delays is not None and stream in self._streams:
+            with torch.cuda.stream(self._streams[stream]):
+                torch.cuda._sleep(self._rngs[stream].randint(*self._gpu_delays))
 
     def _run_op(self, stream: str, fn: Callable[[], None]) -> None:
         if stream == "host":
@@ -513,6 +569,15 @@ class CudaDevice(Device):
             return
         dst.copy_(src, non_blocking=True)
 
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        # NOTE: small tensors, so torch's pinned pool (its power-of-two rounding costs bytes, not GiB); the
+        # source was allocated on the compute stream: record this stream so the allocator keeps it until the
+        # copy has run
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        t.record_stream(torch.cuda.current_stream(self.torch_device))
+        return out
+
     def stage_copy(self, dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
         key = stage.data_ptr()
         with self._cuda_lock:
@@ -529,9 +594,40 @@ class CudaDevice(Device):
     def measured_peak_bytes(self) -> int:
         return torch.cuda.max_memory_allocated(self.torch_device)
 
+    def memory_report(self) -> dict[str, int]:
+        free, total = torch.cuda.mem_get_info(self.torch_device)
+        return {"peak_device_bytes": torch.cuda.max_memory_allocated(self.torch_device),
+                "peak_reserved_bytes": torch.cuda.max_memory_reserved(self.torch_device),
+                "device_used_bytes": total - free, "device_total_bytes": total}
+
+    def limit_allocator(self, nbytes: int) -> None:
+        """Cap torch's caching allocator on this GPU at `nbytes` (an allocation past it raises out of memory,
+        as the plan's budget promises) until close()."""
+        _, total = torch.cuda.mem_get_info(self.torch_device)
+        torch.cuda.set_per_process_memory_fraction(allocator_fraction(nbytes, total), self.torch_device)
+        self._limited = True
+
+    def close(self) -> None:
+        super().close()
+        if self._limited:  # the cap is the process's: lift it with the device that set it
+            self._limited = False
+            torch.cuda.set_per_process_memory_fraction(1.0, self.torch_device)
+
     def reset_peak(self) -> None:
         super().reset_peak()
         torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+
+def allocator_fraction(nbytes: int, total_bytes: int) -> float:
+    """The fraction of a GPU's `total_bytes` that caps its allocator at `nbytes`, for
+    torch.cuda.set_per_process_memory_fraction; a cap the GPU cannot hold is refused."""
+    if nbytes <= 0:
+        raise ValueError(f"the device allocator's limit must be > 0 bytes, got {nbytes:,}: raise the GPU budget "
+                         "above the hardware profile's reserved bytes")
+    if nbytes > total_bytes:
+        raise ValueError(f"the GPU budget leaves the allocator {nbytes:,} bytes but the GPU has {total_bytes:,}; "
+                         "lower the GPU budget (--gpu-budget) to what the GPU holds")
+    return nbytes / total_bytes
 
 
 def make_device(kind: str, budget_bytes: int | None = None, **kw) -> Device:

@@ -6,7 +6,7 @@ the device (device.py), so the calls return at once and the streams run concurre
 program's record/wait events. Errors inside a stream name the instruction that failed.
 
 How a unit runs: its template (models/) is bound to views of the slot holding its weights (no copies) with
-torch.func.functional_call. Forward runs without autograd and keeps the unit's carry-in as its checkpoint;
+torch.func.functional_call, tiled in chunks of the plan's `ir.chunk_tokens` (models/tiled.py) when set. Forward runs without autograd and keeps the unit's carry-in as its checkpoint;
 backward recomputes the unit from that checkpoint with autograd, back-propagates with torch.autograd.grad,
 and writes the parameter gradients into a fp32 gradient slot (adding across micro-batches).
 
@@ -17,9 +17,17 @@ slot, and checkpoints go to its pinned copies.
 
 Units with buffers (MoE routing state, models/routing.py): load_params copies them into the slot after the
 weights; every unit runs in a routing step context. A forward instruction records the step's routing
-statistics in a RoutingLog per (unit, micro-batch); a backward's recompute routes the same way (the buffers
-change only at the optimizer step) and records nothing. store_grads hands the unit's logs to the host store
+statistics in a RoutingLog per (unit, micro-batch), and the experts' row counts it read from the device; a
+backward's recompute replays those counts (the buffers change only at the optimizer step, so it routes the
+same way) without reading anything back, and records nothing. store_grads hands the unit's logs to the host store
 with its gradients, and the store's optimizer step updates the buffers from them.
+
+A world program (`program.world_size` R > 1, planner/world.py) runs with a Communicator (distributed.py): `begin`
+takes the global step's micro-batches and keeps this rank's group (the 1/tokens scale counts every rank's
+tokens), `end` sums the loss across ranks, `load_params(shard=True)` / `store_grads(shard=True)` move this
+rank's shard (elements [r S, (r+1) S) of the padded flat buffer; S is the shard the store holds), and
+`all_gather`, `reduce_scatter`, `all_reduce` run on the comm stream; the gradient collectives also write the
+norms of what the rank keeps and gather every rank's routing records, which store_grads then hands over.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import time
 import torch
 
 from megatrain.ir.model_ir import ModelIR, UnitIR
-from megatrain.ir.program import Program
+from megatrain.ir.program import STAGING_BYTES, Program
 from megatrain.ir.trace import DTYPES
 from megatrain.models import (
     ModelConfig,
@@ -45,15 +53,23 @@ from megatrain.models.binding import buffer_views, slot_buffers
 from megatrain.models.loss import IGNORE_INDEX
 
 from .device import Device
+from .distributed import local_batch
+from .staging import Staging
 from .store import HostStore
 
 
 class Engine:
     """The `rt` of a generated step program."""
 
-    def __init__(self, ir: ModelIR, program: Program, device: Device, store: HostStore, loss_chunk: int = 1024):
+    def __init__(self, ir: ModelIR, program: Program, device: Device, store: HostStore, loss_chunk: int = 1024,
+                 comm=None):
         if store.program is not program:
             raise ValueError("the host store was built for another program: HostStore(..., program=program)")
+        if program.world_size != (comm.size if comm is not None else 1):
+            raise ValueError(f"the step program is one rank's of {program.world_size}, but this engine runs on "
+                             f"{comm.size if comm is not None else 1} rank(s): launch one process per rank "
+                             "(torchrun --nproc-per-node) and pass the Communicator")
+        self.comm, self.rank = comm, comm.rank if comm is not None else 0
         self.ir, self.program, self.device, self.store = ir, program, device, store
         self.config = ModelConfig.model_validate(ir.config)
         self.dtype = DTYPES[ir.dtype]
@@ -68,7 +84,12 @@ class Engine:
         self.losses: list[torch.Tensor] = []
         self.n_tokens = 0
         self.routing_logs: dict[str, dict[int, routing.RoutingLog]] = {}  # this step's, by unit and micro-batch
+        self.gathered_routing: dict[str, list] = {}  # every rank's records of a unit, global order (a world)
+        self.gathered = frozenset(i.unit for i in program.instrs if i.op == "all_gather")  # its sharded units
         self.timeline: list[tuple] | None = None  # (stream, label, start, end, pool bytes) when tracing
+        self.finals: dict[int, float] = {}  # engine step -> perf_counter time its state was final
+        self.staging = Staging(device, STAGING_BYTES, store.checkpoint_staging)  # long checkpoints' copies
+        self._clips = any(i.op == "clip_grads" for i in program.instrs)
         self._allocate_static()
 
     # -- static buffers -----------------------------------------------------------------------------------
@@ -90,7 +111,7 @@ class Engine:
     def begin(self, batch: list[tuple[torch.Tensor, ...]], lr: float) -> None:
         """Place the step's micro-batches on the device; the head scales gradients by 1/tokens. A micro-batch
         is (tokens, targets), or (tokens, targets, positions) when it packs several documents per row."""
-        if len(batch) != self.program.n_micro_batches:
+        if len(batch) != self.program.n_micro_batches * self.program.world_size:
             raise ValueError(f"the step program takes {self.program.n_micro_batches} micro-batches, got {len(batch)}")
         packed = {len(mb) == 3 for mb in batch}
         if packed != {self.ir.packed}:
@@ -98,11 +119,13 @@ class Engine:
                              f"micro-batches, got {'a mix' if len(packed) > 1 else 'packed' if True in packed else 'unpacked'}"
                              " ones; trace with packed= matching the data")
         self.lr = lr
-        self.n_tokens = int(sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in batch))
+        self.n_tokens = int(sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in batch))  # the global step's
+        if self.comm is not None:
+            batch = local_batch(batch, self.program.n_micro_batches, self.rank, self.comm.size)
         if self.n_tokens == 0:
             raise ValueError("every target of this step is ignored (-100): nothing to train on")
         self.losses = [torch.zeros((), dtype=torch.float32)] * len(batch)
-        self.routing_logs = {}
+        self.routing_logs, self.gathered_routing = {}, {}
         segments = [packing(mb[2]) if len(mb) == 3 else {} for mb in batch]  # on the host: no device sync later
 
         def place():  # on the compute stream, so the copies are ordered before the step's first use
@@ -115,13 +138,47 @@ class Engine:
         self.device.submit("compute", place, "begin(batch)")
 
     def end(self) -> float:
-        """Wait for this step's compute (not its host optimizer) and return the mean token loss."""
+        """Wait for this step's compute (not its host optimizer) and return the mean token loss. A marker
+        behind the step's last host-stream op notes when its state is final (`final_time`)."""
+        step, finals = self.step_index, self.finals
+
+        def mark():
+            finals[step] = time.perf_counter()
+            while len(finals) > 64:  # NOTE: only the last few steps are ever asked for
+                finals.pop(next(iter(finals)))
+
+        self.device.submit("host", mark, f"end of step {step}")
         self.device.synchronize("compute")
         self.step_index += 1
-        return float(sum(float(x) for x in self.losses)) / self.n_tokens
+        total = float(sum(float(x) for x in self.losses))
+        if self.comm is not None:
+            total = self.comm.sum([total], what="the step's loss")[0]
+        return total / self.n_tokens
+
+    def final_time(self, step: int, wait: bool = True) -> float | None:
+        """The perf_counter time when engine step `step`'s host stream finished, i.e. when its master weights
+        and moments were final; None if not yet (`wait=False`). Waiting drains the host stream up to that step
+        (the other streams run on)."""
+        if step not in self.finals and wait:
+            self.device.synchronize("host")
+        return self.finals.get(step)
+
+    def grad_norm(self, step: int | None = None) -> float | None:
+        """The global gradient norm of engine step `step` (default: the step `end()` last finished), once that
+        step's clip_grads has run on the host stream, which may still be behind the compute when `end()`
+        returns; None for a program without clip_grads. Waits only for the clip, not the optimizer steps; a
+        device failure raises DeviceError rather than waiting for a clip that will never run."""
+        if not self._clips:
+            return None
+        step = self.step_index - 1 if step is None else step
+        while (norm := self.store.grad_norm(step, timeout=0.05)) is None:
+            if self.device.failed or self.device.closed:
+                self.device.synchronize()  # raises the failure (or that the device is closed)
+        return norm
 
     def routing_metrics(self) -> dict:
-        """The last step's routing metrics (routing.summarize); {} for a model without MoE layers."""
+        """The last step's routing metrics (routing.summarize); {} for a model without MoE layers. In a world:
+        this rank's micro-batches (the buffers' update reads every rank's)."""
         moe = self.config.moe
         if moe is None:
             return {}
@@ -139,11 +196,13 @@ class Engine:
 
         self._submit("compute", i, f"alloc({buffer})", run)
 
-    def load_params(self, i: int, unit: str, slot: int) -> None:
+    def load_params(self, i: int, unit: str, slot: int, shard: bool = False) -> None:
         u, st = self.units[unit], self.store.units[unit]
+        n = st.unit.flat_numel  # the store's: the rank's shard with `shard`
+        lo = self.rank * n if shard else 0
 
         def run():
-            self.store.load_params(unit, self.bufs[f"slot{slot}"][: u.flat_numel], self.device)
+            self.store.load_params(unit, self.bufs[f"slot{slot}"][lo : lo + n], self.device)
             if u.buffers:
                 self.device.copy(slot_buffers(self.bufs[f"slot{slot}"], u, self.ir.dtype), st.buffers)
 
@@ -193,7 +252,9 @@ class Engine:
             if saved is not None:
                 params, carry, out = saved
             else:
-                with routing.step_context(None, scale):  # a recompute: route as the forward did, record nothing
+                replay = self.routing_logs.get(unit, {}).get(mb)  # the row counts its forward read
+                with routing.step_context(None, scale, replay=replay.counts if replay else None):
+                    # a recompute: route as the forward did (no read from the device), record nothing
                     params, carry, out, _ = self._forward_with_graph(u, slot, mb, side)
             if u.kind == "head":
                 grad_out = (torch.full((), 1.0 / self.n_tokens, dtype=out[0].dtype, device=out[0].device),)
@@ -212,30 +273,86 @@ class Engine:
 
     def offload_act(self, i: int, buffer: str) -> None:
         def run():
-            for dst, s in zip(self.store.host_act(buffer), self.bufs[buffer]):  # pinned, allocated with the store
-                self.device.copy(dst, s)
+            src = self.bufs[buffer]
+            long = _nbytes(src) > STAGING_BYTES  # through the pinned staging buffers, into pageable memory
+            for dst, s in zip(self.store.host_act(buffer), src):  # allocated with the store
+                if long:
+                    self.staging.to_host(dst, s)
+                else:
+                    self.device.copy(dst, s)
 
         self._submit("d2h", i, f"offload_act({buffer})", run)
 
     def load_act(self, i: int, buffer: str) -> None:
         def run():
+            long = _nbytes(self.bufs[buffer]) > STAGING_BYTES
             for dst, src in zip(self.bufs[buffer], self.store.host_act(buffer)):
-                self.device.copy(dst, src)
+                if long:
+                    self.staging.to_device(dst, src)
+                else:
+                    self.device.copy(dst, src)
 
         self._submit("h2d", i, f"load_act({buffer})", run)
 
-    def store_grads(self, i: int, unit: str, grad_slot: int, host_grad: int = 0) -> None:
-        u, st, logs = self.units[unit], self.store.units[unit], self.routing_logs
+    def store_grads(self, i: int, unit: str, grad_slot: int, host_grad: int = 0, shard: bool = False) -> None:
+        u, st, logs, gathered = self.units[unit], self.store.units[unit], self.routing_logs, self.gathered_routing
+        n = st.unit.flat_numel  # the store's: the rank's shard with `shard`
+        lo = self.rank * n if shard else 0
 
         def run():
             flat = self.bufs[f"grad{grad_slot}"]
-            self.device.copy(self.store.grad_target(unit, host_grad), flat[: u.flat_numel])  # in the policy's dtype
-            self.device.copy(st.norms, flat[u.flat_numel : u.flat_numel + len(u.params)])
+            self.device.copy(self.store.grad_target(unit, host_grad), flat[lo : lo + n])  # in the policy's dtype
+            self.device.copy(st.norms, flat[u.flat_numel : u.flat_numel + len(st.norms)])
             if u.buffers:  # the statistics its buffers' update needs travel with the gradients
-                by_mb = logs.get(unit, {})
-                self.store.put_routing(unit, [by_mb[mb].to_host() for mb in sorted(by_mb)])
+                if unit in gathered:
+                    self.store.put_routing(unit, [[{k: v.to("cpu") for k, v in r.items()} for r in mb]
+                                                  for mb in gathered[unit]])
+                else:
+                    by_mb = logs.get(unit, {})
+                    self.store.put_routing(unit, [by_mb[mb].to_host(self.device.to_host) for mb in sorted(by_mb)])
 
-        self._submit("d2h", i, f"store_grads({unit}, grad_slot={grad_slot}, host_grad={host_grad})", run)
+        self._submit("d2h", i, f"store_grads({unit}, grad_slot={grad_slot}, host_grad={host_grad}"
+                     f"{', shard=True' if shard else ''})", run)
+
+    def all_gather(self, i: int, unit: str, slot: int) -> None:
+        u = self.units[unit]
+
+        def run():
+            self.comm.all_gather_shards(self.bufs[f"slot{slot}"][: u.flat_numel], f"all_gather({unit})")
+
+        self._submit("comm", i, f"all_gather({unit}, slot={slot})", run)
+
+    def reduce_scatter(self, i: int, unit: str, grad_slot: int) -> None:
+        u, st, logs, gathered = self.units[unit], self.store.units[unit], self.routing_logs, self.gathered_routing
+
+        def run():
+            flat = self.bufs[f"grad{grad_slot}"]
+            self.comm.reduce_scatter_shards(flat[: u.flat_numel], f"reduce_scatter({unit})")
+            lo = self.rank * st.unit.flat_numel
+            pieces = [flat[lo + p.offset : lo + p.offset + p.numel] for p in st.unit.params]  # the shard's slices
+            if pieces:  # their L2 norms, as _write_norms takes a whole unit's
+                torch.stack(torch._foreach_norm(pieces, 2.0), out=flat[u.flat_numel : u.flat_numel + len(pieces)])
+            self._gather_routing(u, logs, gathered)
+
+        self._submit("comm", i, f"reduce_scatter({unit}, grad_slot={grad_slot})", run)
+
+    def all_reduce(self, i: int, unit: str, grad_slot: int) -> None:
+        u, logs, gathered = self.units[unit], self.routing_logs, self.gathered_routing
+
+        def run():
+            self.comm.all_reduce(self.bufs[f"grad{grad_slot}"][: u.flat_numel], f"all_reduce({unit})")
+            self._write_norms(u, grad_slot)
+            self._gather_routing(u, logs, gathered)
+
+        self._submit("comm", i, f"all_reduce({unit}, grad_slot={grad_slot})", run)
+
+    def _gather_routing(self, u: UnitIR, logs: dict, gathered: dict) -> None:
+        """Every rank's routing records of `u` into `gathered` (its forwards are done: its backward preceded
+        this). NOTE: `logs` and `gathered` are the step's, bound when the op was issued: the next begin()
+        replaces them while this stream may still be behind."""
+        if u.buffers:
+            by_mb = logs.get(u.name, {})
+            gathered[u.name] = self.comm.gather_records([by_mb[mb].records for mb in sorted(by_mb)])
 
     def clip_grads(self, i: int) -> None:
         # NOTE: bind this step's losses list and index now: the next begin() replaces them while the host
@@ -326,7 +443,8 @@ class Engine:
     def _inputs(self, u: UnitIR, mb: int) -> StepInputs:
         tokens, targets, packed = self.bufs["batch"][mb]
         cos, sin = self.bufs["rope"]
-        return StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=self.loss_chunk, **packed)
+        return StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=self.loss_chunk,
+                          chunk_tokens=self.ir.chunk_tokens, **packed)
 
     def _forward_with_graph(self, u: UnitIR, slot: int, mb: int, side=None):
         """Forward with autograd from the unit's checkpoint; returns (params, carry, out, saved bytes)."""
@@ -379,7 +497,9 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
     """Mean token loss of `batches` under the current weights: a forward-only pass, unit-major so each
     unit's weights cross the link once, through slot 0. Runs synchronously after the step's streams drain;
     its carries are accounted in the device pool like the step's. Units run in eval mode: MoE routing takes
-    its inference rule (ET: the pure threshold test)."""
+    its inference rule (ET: the pure threshold test). In a world every rank calls it with the same batches:
+    each evaluates every R-th one, a sharded unit's slot is completed by an all_gather (the comm stream is
+    drained, so the caller may use its group), and the loss is summed across ranks."""
     dev = engine.device
     dev.synchronize()
     for template in engine.templates.values():
@@ -400,6 +520,9 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
     dev = engine.device
     slot = engine.bufs["slot0"]
     staged = []
+    comm = engine.comm
+    if comm is not None:
+        batches = batches[comm.rank :: comm.size]
     for mb in batches:  # (tokens, targets) or (tokens, targets, positions)
         packed = packing(mb[2], dev.torch_device) if len(mb) == 3 else {}
         staged.append((mb[0].to(dev.torch_device, non_blocking=True), mb[1].to(dev.torch_device, non_blocking=True),
@@ -410,13 +533,18 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
     total = torch.zeros((), dtype=torch.float32, device=dev.torch_device)
     with torch.no_grad():
         for u in engine.ir.units:
-            engine.store.load_params(u.name, slot[: u.flat_numel], dev)
+            if u.name in engine.gathered:
+                n = engine.store.units[u.name].unit.flat_numel
+                engine.store.load_params(u.name, slot[comm.rank * n : (comm.rank + 1) * n], dev)
+                comm.all_gather_shards(slot[: u.flat_numel], f"evaluation all_gather({u.name})")
+            else:
+                engine.store.load_params(u.name, slot[: u.flat_numel], dev)
             if u.buffers:
                 slot_buffers(slot, u, engine.ir.dtype).copy_(engine.store.units[u.name].buffers)
             params, buffers = views(slot, u.params), engine._buffers(u, 0)
             for b, (tokens, targets, packed) in enumerate(staged):
                 inputs = StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=engine.loss_chunk,
-                                    **packed)
+                                    chunk_tokens=engine.ir.chunk_tokens, **packed)
                 out = run_unit(engine.templates[u.template], params, carries[b], inputs, buffers)
                 if carries[b]:
                     dev.pool.free(f"eval.{b}")
@@ -426,4 +554,7 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
                 else:
                     dev.pool.alloc(f"eval.{b}", _nbytes(out))
                     carries[b] = out
-    return float(total) / max(n_tokens, 1)
+    total = float(total)  # the one read of the device's sum
+    if comm is not None:
+        total, n_tokens = comm.sum([total, float(n_tokens)], what="the evaluation loss")
+    return total / max(n_tokens, 1)

@@ -32,13 +32,14 @@ from .optim import clip_coefficient, lr_at, param_groups
 
 
 def _loss_sum(model, tokens, targets, checkpoint_blocks: bool, loss_chunk: int, logs: list[routing.RoutingLog],
-              loss_scale: float, positions=None) -> torch.Tensor:
+              loss_scale: float, positions=None, chunk_tokens: int | None = None) -> torch.Tensor:
     """The model's own loss (its head's chunked cross-entropy), optionally with per-block activation
     checkpointing, the usual memory-saving baseline. Block i records its routing statistics in logs[i].
-    `positions` (B, T) for a packed micro-batch."""
+    `positions` (B, T) for a packed micro-batch; `chunk_tokens` tiles the units as a plan's ModelIR says."""
     cos, sin = rope_tables(model.config, tokens.shape[1], model.embed.embed_tokens.weight.dtype)
     packed = packing(positions) if positions is not None else {}
-    inputs = StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=loss_chunk, **packed)
+    inputs = StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=loss_chunk,
+                        chunk_tokens=chunk_tokens, **packed)
     carry = model.embed((), inputs)
     for block, log in zip(model.blocks, logs):
         run = _routed(block, log, loss_scale)
@@ -91,9 +92,11 @@ class EagerTrainer:
     host policy, PolicyAdamW."""
 
     def __init__(self, config: ModelConfig, optim: TrainSpec, seed: int = 0, dtype: torch.dtype = torch.float32,
-                 checkpoint_blocks: bool = False, loss_chunk: int = 1024, host_policy: str = "exact"):
+                 checkpoint_blocks: bool = False, loss_chunk: int = 1024, host_policy: str = "exact",
+                 chunk_tokens: int | None = None):
         self.model = build_eager(config, seed=seed, dtype=dtype)
         self.optim, self.checkpoint_blocks, self.loss_chunk = optim, checkpoint_blocks, loss_chunk
+        self.chunk_tokens = chunk_tokens
         self.host_policy = resolve(host_policy).name
         if self.host_policy == "exact":
             self.opt = torch.optim.AdamW(param_groups(list(self.model.named_parameters()), optim), lr=optim.lr,
@@ -115,7 +118,7 @@ class EagerTrainer:
         self.routing_logs = [[routing.RoutingLog() for _ in self.model.blocks] for _ in micro_batches]
         for (tokens, targets, *positions), logs in zip(micro_batches, self.routing_logs):
             loss = _loss_sum(self.model, tokens, targets, self.checkpoint_blocks, self.loss_chunk, logs,
-                             1.0 / n_tokens, *positions)
+                             1.0 / n_tokens, *positions, chunk_tokens=self.chunk_tokens)
             (loss / n_tokens).backward()
             total += float(loss.detach())
         if isinstance(self.opt, PolicyAdamW):
@@ -141,10 +144,11 @@ class EagerTrainer:
 
 def eager_train(config: ModelConfig, batches: list[list[tuple[torch.Tensor, torch.Tensor]]], optim: TrainSpec,
                 seed: int = 0, dtype: torch.dtype = torch.float32, checkpoint_blocks: bool = False,
-                loss_chunk: int = 1024, host_policy: str = "exact"):
-    """Train for len(batches) steps; each step is a list of (tokens, targets) micro-batches.
+                loss_chunk: int = 1024, host_policy: str = "exact", chunk_tokens: int | None = None):
+    """Train for len(batches) steps; each step is a list of (tokens, targets) micro-batches; `chunk_tokens`
+    tiles the units (a plan's `ir.chunk_tokens`).
 
     Returns (model, losses): the per-step mean token loss, like the streamed engine reports."""
-    trainer = EagerTrainer(config, optim, seed, dtype, checkpoint_blocks, loss_chunk, host_policy)
+    trainer = EagerTrainer(config, optim, seed, dtype, checkpoint_blocks, loss_chunk, host_policy, chunk_tokens)
     losses = [trainer.step(b) for b in batches]
     return trainer.model, losses

@@ -117,6 +117,11 @@ def summary_lines(run: Run) -> list[str]:
 
         line += (f"; device peak {format_bytes(max(r.get('peak_device_bytes', 0) for r in run.records))} "
                  f"(planned {format_bytes(last['planned_peak_device_bytes'])})")
+        for measured, planned, what in (("peak_reserved_bytes", "planned_peak_reserved_bytes", "reserved"),
+                                        ("device_used_bytes", "planned_peak_gpu_bytes", "GPU in use")):
+            if measured in last and planned in last:  # cuda's: the allocator's hold and the whole GPU's use
+                line += (f", {what} {format_bytes(max(r.get(measured, 0) for r in run.records))} "
+                         f"(planned {format_bytes(last[planned])})")
     out.append(line)
     grad = run.series("grad_norm")[1]
     if grad:

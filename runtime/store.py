@@ -50,12 +50,12 @@ import threading
 import torch
 
 from megatrain.ir.model_ir import ModelIR, ParamSlice, UnitIR
-from megatrain.ir.program import Program
+from megatrain.ir.program import STAGING_BYTES, Program
 from megatrain.ir.trace import DTYPES as TRACE_DTYPES
 from megatrain.models import ModelConfig, decays, init_weights, templates
 from megatrain.models.binding import buffer_views
 from megatrain.models.moe import update_buffers
-from megatrain.planner.host_policy import HostPolicy, grad_buffer_elems, resolve, staging_elems
+from megatrain.planner.host_policy import HostPolicy, grad_buffer_elems, resolve, staged, staging_elems
 from megatrain.planner.train import TrainSpec
 
 from .host_memory import HostArena, HostBuffer
@@ -63,6 +63,7 @@ from .host_state import Moments, adamw_step, grad_dtype, moment_dtype, n_blocks,
 from .optim import clip_coefficient
 
 SAFE_MAX = float(torch.finfo(torch.float32).max) / 4  # a weight bound past this may overflow within the step
+KEEP_GRAD_NORMS = 16  # steps of global gradient norms kept for readers behind the host stream
 
 
 def _norm(v: torch.Tensor) -> float:
@@ -123,7 +124,7 @@ class HostStore:
         self.compute_dtype = TRACE_DTYPES[ir.dtype]
         self.arena = HostArena(device)
         self._assignment = self._grad_assignment(program)
-        bufs = self.arena.allocate(self._buffers())
+        bufs = self._bufs = self.arena.allocate(self._buffers())
         offsets = [0]
         for u in ir.units:
             offsets.append(offsets[-1] + len(u.params))
@@ -134,6 +135,8 @@ class HostStore:
         self.stage = [bufs[f"stage{k}"] for k in range(2) if f"stage{k}" in bufs]
         self.host_acts = {name: tuple(bufs[f"host:{name}.{j}"] for j in range(len(self._act_unit(name).carry_in)))
                           for name in self._offloaded()}
+        self.checkpoint_staging = {stream: [bufs[f"ckstage.{stream}.{k}"] for k in range(2)]
+                                   for stream in ("d2h", "h2d")} if self._staged() else {}
         if program is None:  # NOTE: no program binds gradient buffers: each unit's own is its gradient
             for i, st in enumerate(self.units.values()):
                 st.grad, st.grad_buffer = self.grad_buffers[i][: st.unit.flat_numel].zero_(), i
@@ -144,6 +147,10 @@ class HostStore:
         self._merged: set[str] = set()  # owners whose borrowers' tied gradients were added this step
         self.clip_coef: torch.Tensor | None = None
         self.last_grad_norm: float | None = None
+        # NOTE: per engine step, set by that step's clip_grads on the host stream, which may run behind the
+        # compute: a reader waits for its step's entry (grad_norm) rather than reading last_grad_norm
+        self.grad_norms: dict[int, float] = {}
+        self._norms_ready = threading.Condition()
         self.check_finite = False  # the Trainer turns it on (--on-nan); tests of the math leave it off
         self.stop_on_fault = False  # --on-nan abort: after a fault, no further update at all
         self.faults: list[tuple[int, str]] = []  # (engine step index, what was not finite), drained by the Trainer
@@ -194,9 +201,18 @@ class HostStore:
             out += [HostBuffer(f"stage{k}", "transfer_staging", (staging_elems(self.ir),), self.compute_dtype,
                                pinned=True) for k in range(2)]
         for name in self._offloaded():
-            for j, t in enumerate(self._act_unit(name).carry_in):
-                out.append(HostBuffer(f"host:{name}.{j}", "checkpoints", t.shape, getattr(torch, t.dtype), pinned=True))
+            carry = self._act_unit(name).carry_in
+            pinned = not staged([t.nbytes for t in carry])  # a long one crosses through the staging buffers
+            for j, t in enumerate(carry):
+                out.append(HostBuffer(f"host:{name}.{j}", "checkpoints", t.shape, getattr(torch, t.dtype),
+                                      pinned=pinned))
+        if self._staged():
+            out += [HostBuffer(f"ckstage.{stream}.{k}", "checkpoint_staging", (STAGING_BYTES,), torch.uint8,
+                               pinned=True) for stream in ("d2h", "h2d") for k in range(2)]
         return out
+
+    def _staged(self) -> bool:
+        return any(staged([t.nbytes for t in self._act_unit(n).carry_in]) for n in self._offloaded())
 
     def host_bytes(self) -> int:
         """Every host byte this store allocated (HostArena.allocated_bytes)."""
@@ -300,7 +316,8 @@ class HostStore:
         return st.grad
 
     def host_act(self, buffer: str) -> tuple[torch.Tensor, ...]:
-        """The pinned host copy of an offloaded checkpoint (one tensor per carry tensor)."""
+        """The host copy of an offloaded checkpoint (one tensor per carry tensor): pinned, or pageable when it
+        crosses through `checkpoint_staging` (host_policy.staged)."""
         return self.host_acts[buffer]
 
     # -- the step ----------------------------------------------------------------------------------------------
@@ -352,22 +369,45 @@ class HostStore:
         The barrier of a step: every gradient has landed. With `check_finite`, a non-finite norm (or loss)
         marks the whole step faulty before any unit steps."""
         self._merge_tied_grads()
-        norms = [n for st in self.units.values() for n in self._norms(st)]
-        total = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        total = self._global_norm([n for st in self.units.values() for n in self._norms(st)])
         self.last_grad_norm = float(total)
+        with self._norms_ready:
+            self.grad_norms[step] = self.last_grad_norm
+            for old in [s for s in self.grad_norms if s < step - KEEP_GRAD_NORMS]:
+                del self.grad_norms[old]
+            self._norms_ready.notify_all()
         self.clip_coef = clip_coefficient(total, self.optim.clip_norm) if self.optim.clip_norm else None
         if self.check_finite:
             self._barrier_step = step
             bad = [float(x) for x in losses or () if not math.isfinite(float(x))]
+            fault = None
             if bad:
-                self._fault(step, f"the loss is {bad[0]}")
+                fault = f"the loss is {bad[0]}"
             elif not math.isfinite(self.last_grad_norm):
                 # NOTE: a norm that overflows fp32 (gradients near 1e19) counts as a fault too
-                self._fault(step, f"the gradients are not finite (global norm {self.last_grad_norm})")
+                fault = f"the gradients are not finite (global norm {self.last_grad_norm})"
             elif lr is not None:  # a barrier decides for every unit, before any of them changes
                 risky = next((u for u in self.units if self._would_overflow(self.units[u], lr)), None)
                 if risky is not None:
-                    self._fault(step, self._overflow_message(risky, lr))
+                    fault = self._overflow_message(risky, lr)
+            fault = self._agree(fault)
+            if fault is not None:
+                self._fault(step, fault)
+
+    def _global_norm(self, norms: list[torch.Tensor]) -> torch.Tensor:
+        """The norm of the per-parameter norms, as clip_grad_norm_ takes it (a sharded store: of every rank's)."""
+        return torch.linalg.vector_norm(torch.stack(norms), 2.0)
+
+    def _agree(self, fault: str | None) -> str | None:
+        """The step's verdict at the barrier: this store's (a sharded store: the first rank's that found one)."""
+        return fault
+
+    def grad_norm(self, step: int, timeout: float) -> float | None:
+        """The global gradient norm clip_grads found at engine step `step`, waiting up to `timeout` seconds for
+        it to run; None if it has not run by then (or was dropped: only the last few steps are kept)."""
+        with self._norms_ready:
+            self._norms_ready.wait_for(lambda: step in self.grad_norms, timeout)
+            return self.grad_norms.get(step)
 
     def step_unit(self, unit: str, lr: float, step: int = -1, host_grad: int | None = None) -> None:
         """AdamW under the policy on one unit's masters (host_state.adamw_step), then its buffers' update

@@ -15,9 +15,21 @@ from that state; "skip" logs the step and goes on. A skip must be all or nothing
 landed, in forward order) even without clipping; see docs/CHECKPOINTS.md for the cost.
 
 Metrics: one JSON record per logged step (loss, lr, step time, tokens/s, device peaks, grad norm,
-validation loss); MoE models add the step's routing metrics (models/routing.py `summarize`): `moe_layers`
+validation loss). `step_time_s` covers the step until its state is final, its host optimizer included: the
+wall time from the step's start (or, when it overlapped the previous step's host optimizer, from that step's
+final state) to its own last host-stream op, so the figures of back-to-back steps add up to the run's wall
+time and tokens/s is steady-state throughput; `compute_time_s` is the part until the loss was known (the host
+optimizer may still run then). A record is written once its step is final, at the latest right after the next
+step's compute. MoE models add the step's routing metrics (models/routing.py `summarize`): `moe_layers`
 (per MoE block: per-expert load fractions, experts per token, zero-expert share, capacity drop and pad
 rates, max/mean load, aux loss) and their averages over blocks as `moe_*`.
+
+Data parallelism (`comm`, a distributed.Communicator: under torchrun every rank builds its own Trainer): the
+plan is one rank's step of the world (planner/world.py), the host store the rank's shard (sharded_store.py),
+each step's batch the global step's (every rank draws the same `batch(step)` and runs its group of it),
+checkpoints sharded with one manifest (sharded_checkpoint.py), resumable at any world size. Rank 0 alone
+writes metrics, shows progress and holds the checkpoint folder's lock; a stop signal on any rank stops every
+rank after the same step.
 
 Test hook: MEGATRAIN_TEST_PAUSE_AT=optimizer:K pauses the host optimizer after the first unit of step K
 (1-based) has stepped, and =checkpoint:K pauses the save of checkpoint K after its first file; either prints
@@ -136,13 +148,14 @@ class Trainer:
                  loss_chunk: int = 1024, the_plan: Plan | None = None, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int | None = 3, resume: str | Path | None = None,
                  on_nan: str = "abort", settings: dict | None = None, pack: bool | None = None,
-                 allow_data_change: bool = False, host_policy: str = "auto"):
+                 allow_data_change: bool = False, host_policy: str = "auto", comm=None):
         if on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
         if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
             raise ValueError("checkpoint_every must be >= 0 and needs a checkpoint_dir")
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 (or None: keep all), got {keep_checkpoints}")
+        self.comm, self.rank = comm, comm.rank if comm is not None else 0
         self.config = load_model_config(model)
         # A Hugging Face model folder: training starts from its weights (fresh optimizer state), and its
         # config and tokenizer files travel in every checkpoint so export can write a complete folder.
@@ -171,15 +184,18 @@ class Trainer:
         self.resumed_from: Path | None = None
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.checkpoint_every, self.keep_checkpoints = checkpoint_every, keep_checkpoints
-        self.metrics_path = Path(metrics_path) if metrics_path else None
+        self.metrics_path = Path(metrics_path) if metrics_path and self.rank == 0 else None
         self.step = 0
         self.events: list[dict] = []  # skipped steps under on_nan="skip"
         self.plan_changed = False  # resumed under a different program (fine: the math does not depend on it)
         self._sink = None  # the open metrics file during run()
+        self._open: list[dict] = []  # records of steps whose state is not final yet (run())
+        self._last_final: float | None = None  # when the last completed record's step was final
         self._pause = _pause_point()
         self.device: Device | None = None
         # one run writes into a checkpoint folder at a time: its lock is held until close()
-        self._lock = checkpoint.FolderLock(checkpoint_dir).acquire() if checkpoint_dir and checkpoint_every else None
+        self._lock = (checkpoint.FolderLock(checkpoint_dir).acquire()
+                      if checkpoint_dir and checkpoint_every and self.rank == 0 else None)
         try:
             manifest = self._check_resume(resume) if resume is not None else None
             if manifest is not None:  # auto resumes under the checkpoint's host policy; another one is refused
@@ -190,6 +206,8 @@ class Trainer:
             self.last_checkpoint: Path | None = self.resumed_from
             self.weights = check_weights(self.model_dir, self.config) if self.model_dir and manifest is None else None
             kw = {"delays": delays} if delays and device == "sim" else {}
+            if comm is not None and device == "cuda":
+                kw["index"] = comm.local_rank
             self.device = make_device(device, budget_bytes=gpu_budget_bytes, **kw)
             self._build(the_plan, gpu_budget_bytes, loss_chunk, resume is None and self.weights is None)
             if self.weights is not None:
@@ -230,7 +248,7 @@ class Trainer:
             # NOTE: clip_norm here only shapes the program (a clip_grads barrier before the host optimizer);
             # the store clips with self.train, i.e. not at all, and the plan records self.train.
             the_plan = plan(ir, self.hardware, train.replace(clip_norm=1.0) if barrier else train, budget,
-                            host_policy=self.host_policy)
+                            host_policy=self.host_policy, world=self._world())
             the_plan = the_plan.replace(train=train) if barrier else the_plan
         if self.on_nan == "skip" and not any(i.op == "clip_grads" for i in the_plan.program.instrs):
             raise ValueError("on_nan='skip' needs a program with a clip_grads barrier (a step is skipped whole); "
@@ -239,19 +257,44 @@ class Trainer:
         self.source = emit(self.plan)
         self.program = load(self.source)
         self._check_host_memory()
-        self.store = HostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
-                               program=self.plan.program, device=self.device.kind, init=init)
+        # the process is held to the budget the plan was made for, less the reserve the plan keeps for what
+        # the allocator never sees (CUDA context, library workspaces)
+        self.device.limit_allocator(self.plan.gpu_budget_bytes - self.plan.hardware.reserved_bytes)
+        if self.comm is None:
+            self.store = HostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
+                                   program=self.plan.program, device=self.device.kind, init=init)
+        else:  # every rank checked its host memory and planned the same step before anyone allocates
+            hashes = self.comm.gather_objects(self.plan_sha256, what="the ranks' plans")
+            if len(set(hashes)) > 1:
+                other = next(r for r, h in enumerate(hashes) if h != hashes[0])
+                raise ValueError(f"rank {other} planned another step program than rank 0: give every rank the same "
+                                 "flags, model, hardware profile and megatrain version")
+            from .sharded_store import ShardedHostStore
+
+            self.store = ShardedHostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
+                                          program=self.plan.program, comm=self.comm, device=self.device.kind,
+                                          init=init)
         self.store.check_finite = True
         self.store.stop_on_fault = self.on_nan == "abort"
-        self.engine = Engine(self.plan.ir, self.plan.program, self.device, self.store, loss_chunk=loss_chunk)
+        self.engine = Engine(self.plan.ir, self.plan.program, self.device, self.store, loss_chunk=loss_chunk,
+                             comm=self.comm)
         if self._pause and self._pause[0] == "optimizer":
             self._pause_optimizer(self._pause[1])
 
     # -- host memory, checkpoints, resume ----------------------------------------------------------------------
+    def _world(self):
+        from megatrain.planner.world import World
+
+        return World(nproc=self.comm.size, nnodes=self.comm.nnodes) if self.comm is not None else None
+
     def _check_host_memory(self) -> None:
         """Refuse to allocate a store the machine cannot hold (on the sim device, the device's buffers and
-        workspace are host memory too)."""
-        need = self.plan.host_bytes + (self.plan.peak_gpu_bytes if self.device.kind == "sim" else 0)
+        workspace are host memory too); in a world, what every rank of this node will hold."""
+        local = self.comm.local_size if self.comm is not None else 1
+        node = self.rank // local
+        shares = self.plan.host_bytes_per_rank or (self.plan.host_bytes,)
+        need = sum(shares[node * local : (node + 1) * local]) + local * (
+            self.plan.peak_gpu_bytes if self.device.kind == "sim" else 0)
         avail = available_host_bytes()
         if avail is not None and need > avail:
             raise HostMemoryError(
@@ -277,7 +320,12 @@ class Trainer:
         return manifest
 
     def _resume(self, manifest: dict) -> None:
-        rng = checkpoint.load_checkpoint(self.resumed_from, manifest, self.store)
+        if self.comm is not None or manifest.get("world"):
+            from .sharded_checkpoint import load
+
+            rng = load(self.resumed_from, manifest, self.store, self.comm)
+        else:
+            rng = checkpoint.load_checkpoint(self.resumed_from, manifest, self.store)
         self.step = manifest["step"]
         self.engine.step_index = self.step  # the device treats the previous step's events as done
         if "rng/torch_cpu" in rng:
@@ -308,8 +356,15 @@ class Trainer:
                 _pause_here(f"checkpoint:{self.step} after {name}")
         extra = {f"hf/{name}": self.model_dir / name for name in SOURCE_FILES
                  if self.model_dir and (self.model_dir / name).is_file()}
-        self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_dir, self.step, self.store, meta, rng,
-                                                          keep=self.keep_checkpoints, after_file=hook, extra=extra)
+        if self.comm is not None:
+            from .sharded_checkpoint import save
+
+            self.last_checkpoint = save(self.checkpoint_dir, self.step, self.store, meta, self.comm, rng,
+                                        keep=self.keep_checkpoints, after_file=hook, extra=extra)
+        else:
+            self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_dir, self.step, self.store, meta,
+                                                              rng, keep=self.keep_checkpoints, after_file=hook,
+                                                              extra=extra)
         return self.last_checkpoint
 
     # -- numerical faults --------------------------------------------------------------------------------------
@@ -343,8 +398,22 @@ class Trainer:
     # -- training ----------------------------------------------------------------------------------------------
     @property
     def planned_peak_device_bytes(self) -> int:
-        """What the device's measured peak is compared with: program buffers on sim, everything on cuda."""
-        return self.plan.peak_buffer_bytes if self.device.kind == "sim" else self.plan.peak_gpu_bytes
+        """What the device's measured allocated peak is compared with: program buffers on sim (the pool counts
+        them exactly), buffers and workspace on cuda (max_memory_allocated: no reserve, no allocator margin)."""
+        return self.plan.peak_buffer_bytes if self.device.kind == "sim" else self.plan.peak_device_bytes
+
+    def planned_memory(self) -> dict[str, int]:
+        """The plan's figures beside the device's memory_report(), like with like: `planned_peak_device_bytes`
+        with `peak_device_bytes`; on cuda `planned_peak_reserved_bytes` (buffers and workspace with the
+        allocator margin) with `peak_reserved_bytes`, and `planned_peak_gpu_bytes` (with the reserve for the
+        context) with `device_used_bytes`; `gpu_budget_bytes`, which the process is held to."""
+        out = {"planned_peak_device_bytes": self.planned_peak_device_bytes,
+               "gpu_budget_bytes": self.plan.gpu_budget_bytes}
+        if self.device.kind != "sim":
+            hw = self.plan.hardware
+            out["planned_peak_reserved_bytes"] = self.plan.peak_gpu_bytes - hw.reserved_bytes
+            out["planned_peak_gpu_bytes"] = self.plan.peak_gpu_bytes
+        return out
 
     def train_step(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         lr = lr_at(self.train, self.step)
@@ -377,47 +446,80 @@ class Trainer:
                 TimeRemainingColumn()]
         last = self.step + steps
         logs = append_open(self.metrics_path, "--metrics") if self.metrics_path else contextlib.nullcontext()
+        progress = progress and self.rank == 0
         with logs as sink, _signals(handle_signals) as stop, Progress(*cols, disable=not progress) as bar:
             self._sink = sink
-            try:
-                task = bar.add_task("train", total=last, completed=self.step, info="")
-                for _ in range(steps):
-                    rec = self._logged_step(eval_every)
-                    if self.step % log_every == 0 or "val_loss" in rec:
+            task = bar.add_task("train", total=last, completed=self.step, info="")
+
+            def finish(block: bool) -> None:
+                # NOTE: a step's record is complete once its state is final (its host optimizer done): right
+                # after the next step's compute at the latest (every load of that step waits for an update of
+                # this one), or at a synchronize; records stay in step order
+                while self._open and self._final(self._open[0], block):
+                    rec = self._open.pop(0)
+                    if rec["step"] % log_every == 0 or "val_loss" in rec:
                         records.append(rec)
                         self._write_record(rec)
+                    bar.update(task, info=self._progress_info(rec))
+
+            try:
+                for _ in range(steps):
+                    self._open.append(self._logged_step(eval_every))
+                    finish(block=len(self._open) > 1)
                     saved = self.checkpoint_every and (self.step % self.checkpoint_every == 0 or self.step == last)
                     if saved:
                         self.save_checkpoint()
-                    bar.update(task, advance=1, info=self._progress_info(rec))
+                        finish(block=True)
+                    bar.update(task, advance=1)
+                    if self.comm is not None and self.comm.any(bool(stop), "the stop flag"):
+                        stop = stop or [signal.SIGTERM]  # another rank was signalled: stop after the same step
                     if stop:
                         self.device.synchronize()
+                        finish(block=True)
                         self._handle_faults()
                         if self.checkpoint_every and not saved:
                             self.save_checkpoint()
                         raise Preempted(stop[0], self.step, self.last_checkpoint if self.checkpoint_every else None)
                 self.device.synchronize()
+                finish(block=True)
                 self._handle_faults()
             finally:
+                with contextlib.suppress(Exception):  # the steps before a fault keep their records
+                    finish(block=True)
+                self._open = []
                 self._sink = None
         return records
 
     def _logged_step(self, eval_every: int) -> dict:
-        """One training step and its metrics record."""
-        t0 = time.perf_counter()
+        """One training step and its metrics record, whose timing `_final` completes."""
+        start = time.perf_counter()
         loss = self.train_step(self.batcher.batch(self.step))
-        dt = time.perf_counter() - t0
+        computed = time.perf_counter() - start
         self._handle_faults(loss)
-        rec = {"step": self.step, "loss": loss, "lr": lr_at(self.train, self.step - 1), "step_time_s": dt,
-               "tokens_per_s": self.train.tokens_per_step / dt, "peak_device_bytes": self.device.measured_peak_bytes(),
-               "planned_peak_device_bytes": self.planned_peak_device_bytes,
-               "predicted_step_time_s": self.plan.step_time_s}
+        rec = {"step": self.step, "loss": loss, "lr": lr_at(self.train, self.step - 1),
+               "compute_time_s": computed, **self.device.memory_report(), **self.planned_memory(),
+               "predicted_step_time_s": self.plan.step_time_s, "_start": start, "_index": self.engine.step_index - 1}
         if eval_every and self.step % eval_every == 0:
             rec["val_loss"] = self.validation_loss()
-        if self.store.last_grad_norm is not None:
-            rec["grad_norm"] = self.store.last_grad_norm
+        norm = self.engine.grad_norm()  # this step's, once its clip_grads has run (the host stream may lag)
+        if norm is not None:
+            rec["grad_norm"] = norm
         rec.update(self.engine.routing_metrics())
         return rec
+
+    def _final(self, rec: dict, block: bool) -> bool:
+        """Complete `rec` once its step's state is final (False while not yet, unless `block`): step_time_s is
+        the wall time from the step's start, or from the previous step's final state when that came later (the
+        step overlapped it), to its own final state, so back-to-back steps add up to the run's wall time."""
+        at = self.engine.final_time(rec["_index"], wait=block)
+        if at is None:
+            return False
+        begin = max(rec.pop("_start"), self._last_final or 0.0)
+        self._last_final = at
+        rec.pop("_index")
+        dt = at - begin
+        rec.update(step_time_s=dt, tokens_per_s=self.train.tokens_per_step / dt)
+        return True
 
     def _progress_info(self, rec: dict) -> str:
         val = f" val {rec['val_loss']:.3f}" if rec.get("val_loss") is not None else ""

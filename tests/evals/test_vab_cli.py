@@ -1,9 +1,12 @@
-"""The `vab` CLI through a tiny argparse parser, as megatrain/cli.py wires it: generate, run, report, export."""
+"""The `vab` CLI through a tiny argparse parser, as megatrain/cli.py wires it: generate, run, report, export;
+and `python -m megatrain.evals.cli` as a subprocess."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 
 import pytest
 from vab_testing import write_lines
@@ -65,7 +68,7 @@ def test_export_writes_pairs_and_refuses_leaks(tmp_path, capsys):
     train, evl, out = tmp_path / "train.jsonl", tmp_path / "eval.jsonl", tmp_path / "pairs.jsonl"
     vab("generate", "--out", str(train), "--n", "6", "--prefix", "train_")
     vab("generate", "--out", str(evl), "--n", "6", "--prefix", "eval_", "--seed", "1")
-    assert vab("export", "--train", str(train), "--eval", str(evl), "--out", str(out)) == 0
+    assert vab("export", "--train", str(train), "--eval", str(evl), "--out", str(out), "--no-image-check") == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and {"prompt", "answer", "images", "task_id"} <= set(rows[0])
     with pytest.raises(VabError, match="in the evaluation split"):
@@ -98,3 +101,94 @@ def test_user_errors_raise_vab_error_and_main_exits_2(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
     with pytest.raises(VabError, match="holds no finished trials"):
         vab("report", str(write_lines(tmp_path / "empty.jsonl", [""])))
+
+
+RESTATING_JUDGE = "cmd:cat > /dev/null; echo 'At first BEST: B, WORST: A.'; echo 'BEST: A'; echo 'WORST: C'"
+
+
+def test_parse_mode_is_chosen_on_run_recorded_and_reported(tmp_path, capsys):
+    tasks, official, strict = tmp_path / "t.jsonl", tmp_path / "o.jsonl", tmp_path / "s.jsonl"
+    vab("generate", "--out", str(tasks), "--n", "2", "--sizes", "3")
+    assert vab("run", "--tasks", str(tasks), "--judge", RESTATING_JUDGE, "--out", str(official)) == 0
+    assert "(parse official): ran 18 trials" in capsys.readouterr().out
+    assert vab("run", "--tasks", str(tasks), "--judge", RESTATING_JUDGE, "--out", str(strict), "--parse", "strict") == 0
+    by_mode = {mode: load_results(path)[0] for mode, path in (("official", official), ("strict", strict))}
+    assert all(r.parse == mode for mode, rs in by_mode.items() for r in rs)
+    # the two modes read the same text differently: official the early mention (presented B and A), strict the
+    # trailing lines (presented A and C); results hold original labels, the order maps presented back
+    for mode, (at_best, at_worst) in (("official", (1, 0)), ("strict", (0, 2))):
+        joint = [r for r in by_mode[mode] if r.protocol == "pick_best_and_worst"]
+        assert len(joint) == 6 and all(r.valid for r in joint)
+        assert all((r.best, r.worst) == ("ABC"[r.order[at_best]], "ABC"[r.order[at_worst]]) for r in joint), mode
+    for mode, path in (("official", official), ("strict", strict)):
+        capsys.readouterr()
+        assert vab("report", str(path), "--boot", "20") == 0
+        printed = capsys.readouterr().out
+        assert f"parse {mode}" in printed and f"parse mode {mode}:" in printed
+        assert json.loads(path.with_suffix(".report.json").read_text())["parse"] == mode
+
+
+def test_resume_and_compare_refuse_another_parse_mode(tmp_path, capsys):
+    tasks, official, strict = tmp_path / "t.jsonl", tmp_path / "o.jsonl", tmp_path / "s.jsonl"
+    vab("generate", "--out", str(tasks), "--n", "3")
+    vab("run", "--tasks", str(tasks), "--judge", "oracle", "--out", str(official))
+    vab("run", "--tasks", str(tasks), "--judge", "oracle", "--out", str(strict), "--parse", "strict")
+    with pytest.raises(VabError, match="holds answers parsed in official mode, not strict; pass --parse official"):
+        vab("run", "--tasks", str(tasks), "--judge", "oracle", "--out", str(official), "--parse", "strict")
+    capsys.readouterr()
+    with pytest.raises(VabError, match=r"o.jsonl was parsed in official mode and .*s.jsonl in strict mode, so their "
+                                       "scores are not comparable"):
+        vab("report", str(official), "--compare", str(strict))
+    assert capsys.readouterr().out == ""  # refused before printing a report
+    assert not official.with_suffix(".report.json").exists()
+
+
+def test_a_results_file_from_before_parse_modes_reads_as_strict(tmp_path, capsys):
+    tasks, out = tmp_path / "t.jsonl", tmp_path / "r.jsonl"
+    vab("generate", "--out", str(tasks), "--n", "2")
+    vab("run", "--tasks", str(tasks), "--judge", "oracle", "--out", str(out), "--parse", "strict")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    write_lines(out, [{k: v for k, v in row.items() if k not in ("parse", "judge_failed")} for row in rows])
+    assert {r.parse for r in load_results(out)[0]} == {"strict"}
+    with pytest.raises(VabError, match="pass --parse strict to resume it"):
+        vab("run", "--tasks", str(tasks), "--judge", "oracle", "--out", str(out))
+
+
+def test_export_compares_image_contents(tmp_path, capsys):
+    for split in ("train", "eval"):
+        vab("generate", "--out", str(tmp_path / f"{split}.jsonl"), "--n", "3", "--prefix", f"{split}_")
+        for row in map(json.loads, (tmp_path / f"{split}.jsonl").read_text().splitlines()):
+            for image in row["images"]:
+                (tmp_path / image).parent.mkdir(parents=True, exist_ok=True)
+                (tmp_path / image).write_bytes(image.encode())
+    argv = ("export", "--train", str(tmp_path / "train.jsonl"), "--eval", str(tmp_path / "eval.jsonl"),
+            "--out", str(tmp_path / "pairs.jsonl"))
+    assert vab(*argv) == 0
+    train_image = tmp_path / "images" / "train_fine-art_calligraphy_0000" / "B.jpg"
+    eval_image = next((tmp_path / "images").glob("eval_*/A.jpg"))
+    train_image.write_bytes(eval_image.read_bytes())
+    with pytest.raises(VabError, match=f"training image {train_image} .* byte-identical to evaluation image "
+                                       f"{eval_image}"):
+        vab(*argv)
+    assert vab(*argv, "--no-image-check") == 0
+
+
+def _module_cli(*argv: str, cwd) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatrain.evals.cli", *argv], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_python_dash_m_runs_the_vab_commands(tmp_path):
+    done = _module_cli("vab", "generate", "--out", "t.jsonl", "--n", "4", cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout == "wrote 4 tasks to t.jsonl\n"
+    assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 4
+    done = _module_cli("vab", "run", "--tasks", "t.jsonl", "--judge", "oracle", "--out", "r.jsonl", cwd=tmp_path)
+    assert done.returncode == 0 and "oracle (parse official): ran 36 trials" in done.stdout
+    done = _module_cli("vab", "report", "r.jsonl", "--boot", "20", cwd=tmp_path)
+    assert done.returncode == 0 and "parse official" in done.stdout
+    assert json.loads((tmp_path / "r.report.json").read_text())["overall"]["metrics"]["tb1"]["pass3"]["value"] == 1.0
+    done = _module_cli("vab", "run", "--tasks", "missing.jsonl", "--judge", "oracle", "--out", "x.jsonl",
+                       cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1
+    done = _module_cli("vab", "run", "--help", cwd=tmp_path)
+    assert done.returncode == 0 and "--parse {official,strict}" in done.stdout

@@ -111,3 +111,19 @@ def test_judge_specs(tmp_path):
                         ("position:-1", "negative"), ("scores:" + str(tmp_path / "no.jsonl"), "no such file")]:
         with pytest.raises(VabError, match=reason):
             make_judge(bad, [task])
+
+
+def test_command_judge_reads_its_answer_in_the_query_parse_mode(tmp_path):
+    judge = CommandJudge("cat > /dev/null; echo 'Maybe BEST: C at first.'; echo '**BEST: A**'", attempts=1)
+    official = run_trial(_task(), "pick_best", 0, judge, "cmd", parse="official")
+    assert official.valid and official.best == "C"  # the first match: the early mention, not the bold line
+    strict = run_trial(_task(), "pick_best", 0, judge, "cmd", parse="strict")
+    assert not strict.valid and "expected the answer to end with BEST: X" in strict.error
+    assert not strict.judge_failed and "Maybe BEST: C" in strict.response
+
+
+def test_command_judge_marks_a_failed_command_as_a_judge_failure():
+    failed = run_trial(_task(), "pick_best", 0, CommandJudge("exit 4", attempts=2, retry_delays_s=(0,)), "cmd")
+    assert failed.judge_failed and not failed.valid and "exited 4" in failed.error
+    unparsed = run_trial(_task(), "pick_best", 0, CommandJudge("echo 'Best: A'", attempts=1), "cmd")
+    assert not unparsed.judge_failed and not unparsed.valid and "no `BEST: X` anywhere" in unparsed.error

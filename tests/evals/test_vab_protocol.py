@@ -87,7 +87,7 @@ def test_two_image_best_and_worst_is_derived_from_pick_best():
     (JudgeAnswer(error="judge timed out"), "judge timed out"),
 ])
 def test_unusable_answers_count_as_wrong(answer, error):
-    result = score_answer(_task(), "pick_best_and_worst", 0, (0, 1, 2, 3), answer, "j")
+    result = score_answer(_task(), "pick_best_and_worst", 0, (0, 1, 2, 3), answer, "j", parse="strict")
     assert not result.valid and not result.correct
     assert result.correct_best is False and result.correct_worst is False
     assert error in result.error
@@ -96,3 +96,38 @@ def test_unusable_answers_count_as_wrong(answer, error):
 def test_single_protocols_ignore_the_other_side():
     result = score_answer(_task(), "pick_best", 0, (0, 1, 2, 3), JudgeAnswer(best="C", worst="C"), "j")
     assert result.correct and result.worst is None and result.correct_worst is None
+
+
+def test_official_mode_accepts_best_equal_to_worst_and_scores_it():
+    answer = JudgeAnswer(best="C", worst="C")  # presented C is original C under the identity order
+    official = score_answer(_task(), "pick_best_and_worst", 0, (0, 1, 2, 3), answer, "j", parse="official")
+    assert official.valid and official.error is None and official.parse == "official"
+    assert (official.best, official.worst) == ("C", "C")
+    assert official.correct_best is True and official.correct_worst is False and not official.correct
+    strict = score_answer(_task(), "pick_best_and_worst", 0, (0, 1, 2, 3), answer, "j", parse="strict")
+    assert not strict.valid and "allowed with --parse official" in strict.error and strict.parse == "strict"
+
+
+def test_parse_mode_reaches_the_judge_and_every_result():
+    seen = []
+
+    def judge(query):
+        seen.append(query.parse)
+        return JudgeAnswer(best="B")
+
+    task = _task(2, best="B", worst="A")
+    for mode in ("strict", "official"):
+        derived = run_trial(task, "pick_best_and_worst", 1, judge, "j", parse=mode)
+        assert derived.parse == mode and derived.derived_from == "pick_best"
+    assert seen == ["strict", "official"]
+    assert all(r.parse == "official" for r in pick_best(_task(), OracleJudge([_task()])))  # the default
+
+
+def test_judge_failure_is_recorded_apart_from_an_unparseable_answer():
+    failed = score_answer(_task(), "pick_best", 0, (0, 1, 2, 3), JudgeAnswer(error="exit 1", judge_failed=True), "j")
+    unparsed = score_answer(_task(), "pick_best", 0, (0, 1, 2, 3), JudgeAnswer(error="no BEST"), "j")
+    assert failed.judge_failed and not failed.valid
+    assert not unparsed.judge_failed and not unparsed.valid
+    task = _task(2, best="B", worst="A")
+    assert derive_pair(task, score_answer(task, "pick_best", 0, (0, 1), JudgeAnswer(error="exit 1", judge_failed=True),
+                                          "j")).judge_failed

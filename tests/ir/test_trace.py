@@ -38,6 +38,30 @@ def test_forward_flops_match_analytic(seq):
     assert 1.8 < sum(u.flops_bwd for u in ir.units) / traced < 2.6
 
 
+@pytest.mark.parametrize("target, dtype", [("cuda", "bf16"), ("cpu", "fp32"), ("cpu", "bf16")])
+def test_head_backward_counts_its_three_matmuls(target, dtype):
+    """The head's backward recomputes each chunk's logits and multiplies twice (dh, dW): 3 x 2NVd FLOPs. The
+    dW product accumulates in fp32 (`addmm(out=)` or, on a GPU in bf16, `addmm(out_dtype=float32, out=)`),
+    which FlopCounterMode counts, unlike the `addmm_` it replaced (the planner under-priced the head)."""
+    c = preset("tiny")
+    ir = trace(c, 2, 64, dtype, target=target, loss_chunk=48)
+    head = ir.units[-1]
+    logits = 2 * 2 * 64 * c.vocab_size * c.d_model
+    assert (head.flops_fwd, head.flops_bwd) == (logits, 3 * logits)
+
+
+def test_the_older_torch_fallback_of_the_head_gradient_counts_the_same(monkeypatch):
+    """Where addmm(out_dtype=float32) refuses an fp32 accumulator, dW is mm(out_dtype=float32) a vocabulary
+    block at a time: the same FLOPs, a temporary no larger than the bf16 logit gradient."""
+    from megatrain.models import loss
+
+    want = trace(preset("tiny"), 2, 64, "bf16", target="cuda").units[-1]
+    monkeypatch.setitem(loss._FP32_ACCUMULATOR, "meta", False)
+    got = trace(preset("tiny"), 2, 64, "bf16", target="cuda").units[-1]
+    assert got.flops_bwd == want.flops_bwd
+    assert got.peak_bwd_bytes <= want.peak_bwd_bytes + 2 * 64 * preset("tiny").vocab_size * 2
+
+
 def test_units_carries_and_params():
     c = preset("tiny")
     ir = trace(c, 2, 64, "fp32")
@@ -105,3 +129,49 @@ def test_cli_errors_are_one_line_exit_2(argv, needle):
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and needle in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_traced_memory_equals_a_real_cpu_run(chunk):
+    """The meta trace's saved bytes and transient peaks are what the same unit allocates on real CPU tensors
+    (the CPU flash kernel's own scratch aside, which neither sees), untiled and tiled; the output, the incoming
+    gradient and the carry's gradient are the program's buffers, not the unit's workspace."""
+    import dataclasses
+
+    import torch
+
+    from megatrain.ir.scaled import LiveBytes
+    from megatrain.ir.trace import _unit_inputs
+    from megatrain.models import run_unit, templates
+
+    c = preset("tiny")
+    ir = trace(c, 2, 64, "fp32", target="cpu", chunk_tokens=chunk)
+    tmpls = templates(c)
+    for u in (ir.units[1], ir.units[-1]):
+        tm = tmpls[u.template]
+        inputs = _unit_inputs(u.kind, c, 2, 64, torch.float32, 1024, "cpu", chunk=chunk)
+        inputs = dataclasses.replace(inputs, targets=torch.randint(0, 256, (2, 64)) if u.kind == "head" else None)
+        params = {n: torch.randn(p.shape, requires_grad=True) for n, p in tm.named_parameters()}
+        carry = tuple(torch.randn(s.shape, requires_grad=True) for s in u.carry_in)
+        existing = [*params.values(), *carry, inputs.cos, inputs.sin, *([inputs.targets] if u.kind == "head" else [])]
+        known = {t.untyped_storage()._cdata for t in existing}
+        saved = {}
+
+        def pack(t, known=known, saved=saved):
+            if t.untyped_storage()._cdata not in known:
+                saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.no_grad(), LiveBytes(None, existing) as fwd:
+            out = run_unit(tm, params, carry, inputs)
+            fwd.exclude(out)
+        del out
+        with LiveBytes(None, existing) as bwd:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = run_unit(tm, params, carry, inputs)
+            grad_out = [torch.randn_like(o) for o in out]
+            grads = torch.autograd.grad(out, [*params.values(), *carry], grad_out)
+            bwd.exclude([*grad_out, *grads[len(params):]])
+            del out, grads
+        peak = {m: max(sum(n for _, n in s) for s in m.sums) for m in (fwd, bwd)}
+        assert (u.saved_bytes, u.peak_fwd_bytes, u.peak_bwd_bytes) == (sum(saved.values()), peak[fwd], peak[bwd])

@@ -170,7 +170,8 @@ def test_expert_choice_learns_its_own_ema_cutoff_and_evaluates_by_it():
     k = routing.expected_rows(32, 1, 4)
     bufs = {"threshold": torch.zeros(4), "updates": torch.zeros(())}
     first = routing.select(moe, logits, bufs, training=True)
-    assert first.counts == [k] * 4 and "lag" not in first.stats  # top-k in training; no EMA yet, no lag
+    assert first.counts == [k] * 4 and float(first.stats["lagged"]) == 0  # top-k in training; no EMA yet
+    assert "moe_threshold_lag" not in routing.summarize({"b": [[routing.record_stats(first, 32, 4)]]}, top_k=1)
     routing.update_layer(moe, bufs, [routing.record_stats(first, 32, 4)])
     c_eff = routing.corrected_threshold(bufs["threshold"], bufs["updates"], 0.5)
     torch.testing.assert_close(c_eff, logits.topk(k, dim=0).values[k - 1])  # one update: the cutoff itself
@@ -293,3 +294,68 @@ def test_aux_loss_enters_the_gradient_scaled_like_the_loss():
     aux = 0.5 * 8 * (f * torch.softmax(logits, -1).mean(0)).sum()
     (expected,) = torch.autograd.grad(aux * 32 * scale, layer.router.weight)
     torch.testing.assert_close(with_aux - plain, expected)
+
+
+# -- host syncs (issue 16 item 6) -------------------------------------------------------------------------------
+class _Syncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """The ops that make a CUDA stream wait for the host (or the host for it): a scalar read, nonzero, bincount,
+    unique, masked_select, mask indexing, repeat_interleave with tensor repeats and no output size."""
+
+    READS = {"_local_scalar_dense", "nonzero", "bincount", "unique", "_unique", "_unique2", "unique_dim",
+             "masked_select", "argwhere"}
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.__name__.split(".")[0]
+        if name in self.READS:
+            self.found.append(func.__name__)
+        if name == "repeat_interleave" and func.__name__ != "repeat_interleave.self_int" \
+                and kwargs.get("output_size") is None:
+            self.found.append(func.__name__)
+        if name in ("index", "index_put", "index_put_") and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+            self.found.append(func.__name__ + "(mask)")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("router, moe, reads", [
+    ("et", {"warmup_steps": 0}, 1), ("et", {"warmup_steps": 100}, 1), ("tc", {"top_k": 2}, 1),
+    ("tc", {"balance": "aux", "gate": "softmax"}, 1), ("ec", {}, 0)])
+def test_routing_reads_the_device_once_per_layer_and_its_recompute_never(router, moe, reads, monkeypatch):
+    """A routed layer's forward reads one thing back (its experts' row counts, which the per-expert loop needs)
+    and syncs nowhere else; the recompute replays the counts its forward recorded and reads nothing."""
+    layer = build_eager(with_moe(router=router, **moe), seed=2).blocks[1].mlp
+    if router == "et":
+        layer.updates.fill_(7.0)
+        layer.threshold.fill_(0.1 * (1 - layer.moe.momentum**7))
+    x = torch.randn(2, 24, layer.router.in_features, generator=torch.Generator().manual_seed(5))
+    counted = []
+    read = routing.read_counts
+    monkeypatch.setattr(routing, "read_counts", lambda t: counted.append(1) or read(t))
+    log = routing.RoutingLog()
+    with routing.step_context(log, 1 / 48), _Syncs() as syncs:
+        first = layer(x)
+    assert (len(counted), syncs.found) == (reads, [])
+    assert len(log.counts) == reads and len(log.records) == 1
+    counted.clear()
+    with routing.step_context(None, 1 / 48, replay=log.counts), _Syncs() as syncs:
+        again = layer(x)
+    assert (len(counted), syncs.found) == (0, [])
+    assert torch.equal(first, again)
+
+
+def test_a_recompute_that_routes_otherwise_than_its_forward_is_caught():
+    layer = build_eager(with_moe(router="tc"), seed=2).blocks[1].mlp
+    x = torch.randn(2, 24, layer.router.in_features, generator=torch.Generator().manual_seed(5))
+    log = routing.RoutingLog()
+    with routing.step_context(log, 1 / 48):
+        layer(x)
+    wrong = [[c + (1 if i == 0 else -1 if i == 1 else 0) for i, c in enumerate(log.counts[0])]]
+    with routing.step_context(None, 1 / 48, replay=wrong), pytest.raises(RuntimeError):
+        layer(x)
+    with routing.step_context(None, 1 / 48, replay=[]), pytest.raises(RuntimeError, match="forward recorded 0"):
+        layer(x)

@@ -31,6 +31,16 @@ def test_plan_trace_and_save(tmp_path, capsys, cached_traces):
     assert plan.ir.model == "tiny" and "wrote trace" in capsys.readouterr().out
 
 
+def test_plan_trace_of_a_world_has_a_comm_track(tmp_path, cached_traces):
+    trace = tmp_path / "t.json"
+    assert main(["plan", *TINY, "--micro-batch", "1", "--grad-accum", "2", "--nproc", "2", "--trace", str(trace)]) == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    comm = [e for e in events if e["ph"] == "X" and e["tid"] == 5]
+    assert {e["args"]["name"] for e in events if e.get("name") == "thread_name"} == {"compute", "h2d", "d2h",
+                                                                                     "host", "comm"}
+    assert comm and all(e["dur"] > 0 for e in comm)
+
+
 def test_plan_json_infeasible_is_machine_readable(capsys, cached_traces):
     assert main(["plan", *TINY, "--gpu-mem", "100KiB", "--json"]) == 2
     out = json.loads(capsys.readouterr().out)

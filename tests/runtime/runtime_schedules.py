@@ -19,8 +19,8 @@ def shape_of(p) -> tuple[int, frozenset]:
     return p.n_slots, frozenset(p.placement.values())
 
 
-def plans_by_shape(config, train: TrainSpec, budgets_mib=(3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 64), target="cpu",
-                   packed=False, host_policy="auto"):
+def plans_by_shape(config, train: TrainSpec, budgets_mib=(3, 4, 5, 5.25, 5.5, 5.75, 6, 7, 8, 10, 12, 16, 24, 64),
+                   target="cpu", packed=False, host_policy="auto"):
     """{(n_slots, placements used): plan} over a sweep of budgets, smallest budget first.
     target "cpu" for the sim device (it runs CPU kernels), "cuda" for a GPU; `packed` for packed batches."""
     ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target=target, packed=packed)
@@ -50,10 +50,14 @@ def make_batches(config, train: TrainSpec, steps: int, seed: int = 0):
 
 
 def streamed_train(p, batches, delays=None, budget=None, seed=0, kind="sim"):
-    """Run the compiled plan on a device (sim by default); returns (store, losses, pool peak)."""
+    """Run the compiled plan on a device (sim by default); returns (store, losses, pool peak). `delays`: on
+    sim (lo, hi) seconds per op, on cuda (lo, hi) GPU cycles slept before each GPU stream op."""
     step = load(emit(p)).step
     budget = budget if budget is not None else p.gpu_budget_bytes
-    dev = SimDevice(budget_bytes=budget, delays=delays, seed=seed) if kind == "sim" else make_device(kind, budget)
+    if kind == "sim":
+        dev = SimDevice(budget_bytes=budget, delays=delays, seed=seed)
+    else:
+        dev = make_device(kind, budget, **({"gpu_delays": delays, "seed": seed} if delays else {}))
     with dev:
         store = HostStore(p.ir, p.train, seed=p.train.seed, policy=getattr(p, "host_policy", "exact"),
                           program=p.program, device=dev.kind)

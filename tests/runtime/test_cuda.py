@@ -178,3 +178,132 @@ def test_staged_bf16_loads_and_converting_stores_on_cuda(monkeypatch):
         dev.synchronize()
         assert torch.equal(dst, src.to(torch.bfloat16).cpu())
         store.close()
+
+
+# -- GPU readiness (issue 16); CPU twins: tests/runtime/test_gpu_readiness.py -------------------------------------
+def test_the_allocator_cap_holds_the_process_to_the_budget_and_close_lifts_it():
+    from megatrain.runtime.device import CudaDevice
+
+    torch.cuda.empty_cache()
+    cap = torch.cuda.memory_reserved() + 256 * 2**20
+    with CudaDevice(2**30) as dev:
+        dev.limit_allocator(cap)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")
+        x = torch.empty(64 * 2**20, dtype=torch.uint8, device="cuda")
+        report = dev.memory_report()
+        assert report["peak_device_bytes"] >= x.numel() and report["peak_reserved_bytes"] >= x.numel()
+        assert report["device_total_bytes"] >= report["device_used_bytes"] >= report["peak_reserved_bytes"]
+        del x
+    torch.cuda.empty_cache()
+    y = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # the cap went with the device
+    del y
+
+
+def test_cuda_stream_workers_run_with_the_cpu_budget():
+    from megatrain.runtime.device import STREAMS, CudaDevice
+
+    seen = {}
+    with CudaDevice() as dev:
+        for s in STREAMS:
+            dev.submit(s, lambda s=s: seen.__setitem__(s, torch.get_num_threads()), "threads")
+        dev.synchronize()
+        assert seen == dev.cpu.threads and seen["compute"] == 1
+        assert set(dev.cpu.cores) <= set(range(__import__("os").cpu_count()))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_streamed_equals_eager_under_random_gpu_side_delays(seed):
+    """torch.cuda._sleep before each GPU stream op (CudaDevice gpu_delays) runs the streams out of step on
+    the GPU itself, where a missing wait shows as a wrong value; deterministic algorithms make the undelayed
+    run the exact baseline."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="fp32", lr=2e-3, warmup_steps=1,
+                          total_steps=2, clip_norm=1.0)
+        batches = make_batches(TINY, train, steps=2)
+        want, eager_losses = _eager_cuda(train, batches)
+        for p in plans_by_shape(TINY, train, budgets_mib=(4, 64), target="cuda").values():
+            base, base_losses, _ = streamed_train(p, batches, kind="cuda")
+            store, losses, _ = streamed_train(p, batches, kind="cuda", delays=(0, 200_000), seed=seed)
+            assert losses == base_losses and losses == pytest.approx(eager_losses, rel=1e-5)
+            for name, t in base.named_master().items():
+                assert torch.equal(store.named_master()[name], t), name
+                torch.testing.assert_close(t, want[name], rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_bf16_at_seq_512_uses_the_flash_kernel_and_tracks_the_sim_run():
+    """Every attention call of a bf16 run at seq 512 goes through flash (SDPA restricted to it raises
+    otherwise), and the run follows the same plan on the sim device (CPU bf16 kernels) to bf16 round-off."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    train = TrainSpec(micro_batch=1, seq_len=512, grad_accum=2, dtype="bf16", lr=2e-3, warmup_steps=1,
+                      total_steps=2, clip_norm=1.0)
+    batches = make_batches(TINY, train, steps=2)
+    sim = next(iter(plans_by_shape(TINY, train, budgets_mib=(64,)).values()))
+    gpu = next(iter(plans_by_shape(TINY, train, budgets_mib=(64,), target="cuda").values()))
+    _, want_losses, _ = streamed_train(sim, batches)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        _, losses, peak = streamed_train(gpu, batches, kind="cuda")
+    assert losses == pytest.approx(want_losses, rel=2e-2)
+    assert peak == gpu.peak_buffer_bytes
+
+
+def test_moe_streams_on_cuda_like_eager():
+    from test_moe_exactness import CASES, _train, moe_config
+
+    for name, (moe, grad_accum, clip) in CASES.items():
+        config = moe_config(**moe)
+        train = _train(grad_accum, clip, steps=2)
+        batches = make_batches(config, train, steps=2)
+        want, eager_losses = _eager_cuda(train, batches, config)
+        p = next(iter(plans_by_shape(config, train, budgets_mib=(64,), target="cuda").values()))
+        store, losses, _ = streamed_train(p, batches, kind="cuda")
+        assert losses == pytest.approx(eager_losses, rel=1e-4), name
+        for n, t in want.items():  # a routing decision may flip on round-off: a looser bound than dense
+            torch.testing.assert_close(store.named_master()[n], t, rtol=1e-4, atol=1e-5, msg=f"{name} {n}")
+
+
+def test_trainer_checkpoint_and_resume_on_cuda(tmp_path):
+    from runtime_schedules import make_token_files
+
+    from megatrain.runtime.trainer import Trainer
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        train_file, _ = make_token_files(tmp_path)
+        train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="bf16", lr=2e-3, warmup_steps=1,
+                          total_steps=4, clip_norm=1.0)
+        run = dict(data=train_file, device="cuda", checkpoint_every=2)
+        with Trainer(TINY, train, 2 * 2**30, checkpoint_dir=tmp_path / "a", **run) as t:
+            whole = [r["loss"] for r in t.run(4, progress=False, handle_signals=False)]
+            assert t.device.kind == "cuda" and t.plan.hardware.name != "cpu"
+        with Trainer(TINY, train, 2 * 2**30, checkpoint_dir=tmp_path / "b", resume=tmp_path / "a/step-00000002",
+                     **run) as t:
+            resumed = [r["loss"] for r in t.run(2, progress=False, handle_signals=False)]
+        assert resumed == pytest.approx(whole[2:], rel=1e-6)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_copies_overlap_compute_on_a_truncated_7b():
+    """Two blocks of llama2-7b in bf16 under a budget that streams them: some h2d copy runs while compute
+    does (CUDA event times), which is the point of the streams."""
+    from megatrain.runtime.trainer import Trainer
+
+    config = ModelConfig(**{**preset("llama2-7b").model_dump(), "n_layers": 2, "name": "llama2-7b-2L"})
+    train = TrainSpec(micro_batch=1, seq_len=512, grad_accum=2, dtype="bf16", lr=1e-4, total_steps=10)
+    g = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(0, config.vocab_size, (1, 512), generator=g),) * 2 for _ in range(2)]
+    with Trainer(config, train, 6 * 2**30, device="cuda") as t:
+        assert t.plan.n_slots < len(t.plan.ir.units)  # it streams
+        t.train_step(batch)
+        t.engine.start_timeline()
+        t.train_step(batch)
+        spans = t.engine.measured_spans()
+    compute = [(a, b) for s, _, _, a, b, _ in spans if s == "compute"]
+    h2d = [(a, b) for s, _, _, a, b, _ in spans if s == "h2d"]
+    assert compute and h2d
+    assert any(a < d and c < b for a, b in h2d for c, d in compute)

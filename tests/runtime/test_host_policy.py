@@ -39,7 +39,7 @@ def test_streamed_equals_eager_under_each_policy(policy, grad_accum, clip):
     batches = make_batches(TINY, train, steps=3)
     model, eager_losses = eager_train(TINY, batches, train, host_policy=policy)
     exact, _ = eager_train(TINY, batches, train)
-    plans = plans_by_shape(TINY, train, budgets_mib=(5, 6, 8, 64), host_policy=policy)
+    plans = plans_by_shape(TINY, train, budgets_mib=(4, 5, 5.25, 5.5, 6, 8, 64), host_policy=policy)
     assert {n for n, _ in plans} >= {1, 2} and all(p.host_policy == policy for p in plans.values())
     for p in plans.values():
         store, losses, _ = streamed_train(p, batches)
@@ -86,7 +86,7 @@ def test_allocated_host_bytes_equal_the_plan(policy, dtype, clip):
     config = ModelConfig(**{**TINY.model_dump(), "n_layers": 3})
     train = _train(2, clip, dtype)
     ir = trace(config, 2, 64, train.dtype, target="cpu")
-    plans = [plan(ir, hardware_preset("cpu"), train, int(mib * 2**20), host_policy=policy) for mib in (6, 7)]
+    plans = plans_by_shape(config, train, budgets_mib=(4, 4.5, 5, 5.5, 6, 7), host_policy=policy).values()
     p = next(q for q in plans if any(i.op == "offload_act" for i in q.program.instrs))  # checkpoints count too
     with SimDevice(p.gpu_budget_bytes) as dev:
         store = HostStore(ir, train, policy=policy, program=p.program, device=dev.kind)

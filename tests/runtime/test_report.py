@@ -62,3 +62,14 @@ def test_report_prints_a_summary_per_file_and_draws_on_request(tmp_path, capsys)
     assert main(["report", str(a), str(b), "--plot", str(tmp_path / "c.png")]) == 0
     assert (tmp_path / "c.png").read_bytes().startswith(b"\x89PNG")
     assert "wrote plot" in capsys.readouterr().out
+
+
+def test_a_cuda_runs_summary_shows_each_measured_memory_figure_beside_its_plan_figure(tmp_path):
+    from megatrain.runtime.report import summary_lines
+
+    gib = 2**30
+    mem = {"peak_device_bytes": 10 * gib, "planned_peak_device_bytes": 11 * gib, "peak_reserved_bytes": 12 * gib,
+           "planned_peak_reserved_bytes": 13 * gib, "device_used_bytes": 14 * gib, "planned_peak_gpu_bytes": 15 * gib}
+    line = summary_lines(read_metrics(_write(tmp_path / "g.jsonl", [_rec(1, **mem)])))[1]
+    assert "device peak 10 GiB (planned 11 GiB), reserved 12 GiB (planned 13 GiB)" in line
+    assert "GPU in use 14 GiB (planned 15 GiB)" in line

@@ -1,0 +1,7 @@
+"""`python -m megatrain ...` (and `torchrun ... -m megatrain train ...`): the command line (megatrain/cli.py)."""
+
+import sys
+
+from megatrain.cli import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""What the ranks of tests/runtime/test_distributed.py run (imported in each spawned process)."""
+
+from __future__ import annotations
+
+from megatrain.codegen import emit, load
+from megatrain.ir.trace import trace
+from megatrain.models import ModelConfig
+from megatrain.planner import TrainSpec, hardware_preset, plan
+from megatrain.planner.world import World
+from megatrain.runtime.device import SimDevice
+from megatrain.runtime.engine import Engine
+from megatrain.runtime.optim import lr_at
+from megatrain.runtime.sharded_store import ShardedHostStore
+
+
+def streamed(comm, config: dict, train: dict, budget: int, batches, policy: str = "exact", delays=None) -> dict:
+    """Train `batches` (global steps) on this rank of the world; returns the whole masters and buffers (every
+    rank gathers them), the losses, and this rank's host bytes beside the plan's."""
+    config, train = ModelConfig.model_validate(config), TrainSpec.model_validate(train)
+    ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target="cpu")
+    p = plan(ir, hardware_preset("cpu"), train, budget, host_policy=policy, world=World(nproc=comm.size))
+    step = load(emit(p)).step
+    with SimDevice(budget_bytes=p.gpu_budget_bytes, delays=delays, seed=comm.rank) as dev:
+        store = ShardedHostStore(p.ir, p.train, seed=train.seed, policy=p.host_policy, program=p.program,
+                                 comm=comm, device=dev.kind)
+        engine = Engine(p.ir, p.program, dev, store, comm=comm)
+        losses = [step(engine, b, lr_at(p.train, i)) for i, b in enumerate(batches)]
+        dev.synchronize()
+        master = {k: v.clone() for k, v in store.full_master().items()}
+        return {"master": master, "buffers": {k: v.clone() for k, v in store.full_buffers().items()},
+                "losses": losses, "host_bytes": store.host_bytes(), "plan_host_bytes": p.host_bytes_per_rank,
+                "peak": dev.pool.peak, "plan_peak": p.peak_buffer_bytes, "n_slots": p.n_slots,
+                "placements": sorted(set(p.placement.values())),
+                "collectives": sorted({i.op for i in p.program.instrs if i.stream == "comm"} - {"record", "wait"})}
+
+
+def config_of(**changes) -> dict:
+    from megatrain.models import preset
+
+    return ModelConfig(**{**preset("tiny").model_dump(), **changes}).model_dump()
+
+
+def global_batches(config: dict, train: dict, steps: int, seed: int = 0):
+    from runtime_schedules import make_batches
+
+    return make_batches(ModelConfig.model_validate(config), TrainSpec.model_validate(train), steps, seed)
+
+
+def resume_and_train(comm, data: str, ckpt: str, steps: int = 4) -> dict:
+    """Resume the CLI run of test_distributed's checkpoint test from `ckpt` on this world: the weights it
+    resumed with, and those after training to `steps` (checkpointing into `ckpt` as it goes)."""
+    from megatrain.runtime.trainer import Trainer
+
+    train = TrainSpec(micro_batch=1, seq_len=32, grad_accum=6, dtype="fp32", lr=3e-3, warmup_steps=1,
+                      total_steps=steps, clip_norm=1.0)
+    with Trainer("tiny", train, 8 * 2**20, hardware="cpu", device="sim", data=data, checkpoint_dir=ckpt,
+                 checkpoint_every=2, resume=ckpt, comm=comm) as trainer:
+        resumed = {k: v.clone() for k, v in trainer.store.full_master().items()}
+        trainer.run(steps - trainer.step, progress=False, handle_signals=False)
+        trained = {k: v.clone() for k, v in trainer.store.full_master().items()}
+    return {"resumed": resumed, "trained": trained}
