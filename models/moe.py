@@ -14,7 +14,8 @@ The layer, as in the Expert Threshold paper (arXiv 2603.11535, §3):
 - shared expert: one always-on MLP of the same type and width (optional). First block dense (optional): the
   model's own SwiGLU MLP of width ffn_dim.
 - names: `mlp.router.weight` (E, d), `mlp.experts.{gate,up,down}_proj.weight` (E, out, in),
-  `mlp.shared.{gate,up,down}_proj.weight`; buffers `mlp.threshold` and `mlp.updates` (et), `mlp.bias` (tc bias).
+  `mlp.shared.{gate,up,down}_proj.weight`; buffers `mlp.threshold` and `mlp.updates` (et, ec), `mlp.bias` (tc
+  bias).
 - init: router N(0, d^-1/2) as the paper; experts like the dense MLP (N(0, init_std), down projections / sqrt(2L)).
 
 The aux loss (tc, balance="aux") and the carry contract. Units carry only the depth state and the head
@@ -45,6 +46,7 @@ ROUTERS = ("et", "tc", "ec")
 GATES = ("sigmoid", "softmax")
 MLPS = ("relu2", "swiglu")
 BALANCES = ("aux", "bias", "none")
+EC_EVALS = ("threshold", "topk")
 
 
 class MoEConfig(BaseModel):
@@ -53,7 +55,7 @@ class MoEConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     router: str = Field("et", description="et (expert threshold), tc (token choice top-k) or ec (expert "
-                        "choice top-k over the micro-batch: a non-causal reference)")
+                        "choice top-k over the micro-batch in training; see ec_eval for inference)")
     n_experts: int = Field(16, description="routed experts E")
     top_k: int = Field(1, description="routed experts per token: exactly for tc, on average for et and ec "
                        "(each expert takes k = ceil(tokens x top_k / E) tokens)")
@@ -65,15 +67,18 @@ class MoEConfig(BaseModel):
     balance: str = Field("none", description="tc only: aux (Switch loss), bias (DeepSeek loss-free bias) or none")
     aux_loss_coef: float = Field(1e-3, description="tc aux: alpha in alpha * E * sum_i f_i P_i")
     bias_rate: float = Field(5e-3, description="tc bias: u in b_i += u * sign(mean load - load_i) per step")
-    momentum: float = Field(0.999, description="et: EMA momentum beta of the per-step cutoffs")
+    momentum: float = Field(0.999, description="et and ec: EMA momentum beta of the per-step cutoffs")
     warmup_steps: int = Field(4000, description="et: optimizer steps routed by expert choice before thresholds")
     capacity_factor: float = Field(0.5, description="et training: each expert takes between (1-C)k and (1+C)k "
                                    "tokens")
+    ec_eval: str = Field("threshold", description="ec at inference: threshold (r >= its own EMA cutoff, "
+                         "causal, as the ET paper evaluates EC) or topk (top-k over the micro-batch: non-causal)")
 
-    @field_validator("router", "gate", "expert_mlp", "balance")
+    @field_validator("router", "gate", "expert_mlp", "balance", "ec_eval")
     @classmethod
     def _choice(cls, v: str, info: Any) -> str:
-        valid = {"router": ROUTERS, "gate": GATES, "expert_mlp": MLPS, "balance": BALANCES}[info.field_name]
+        valid = {"router": ROUTERS, "gate": GATES, "expert_mlp": MLPS, "balance": BALANCES,
+                 "ec_eval": EC_EVALS}[info.field_name]
         if v not in valid:
             raise ValueError(f"{info.field_name} {v!r} is not one of {', '.join(valid)}; pick one of them")
         return v

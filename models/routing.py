@@ -15,14 +15,16 @@ Routers (the Expert Threshold paper, arXiv 2603.11535, "ET" below):
   floor((1+C)k) tokens: the lowest-scoring tokens above the threshold are dropped above k_max, the
   highest-scoring tokens below it pad up to k_min. At inference (eval mode) the rule is the pure test
   r >= c_eff: causal, one token at a time.
-- ec (Expert Choice): expert i takes the k tokens of the micro-batch with the largest r_ti, in training and
-  at inference. A non-causal reference: an earlier token's routing depends on later tokens.
+- ec (Expert Choice): in training expert i takes the k tokens of the micro-batch with the largest r_ti (an
+  earlier token's routing depends on later tokens) while the same EMA of cutoffs as ET's learns; at inference
+  it routes by that EMA, r >= c_eff (causal: the paper's evaluation of EC), or with ec_eval="topk" by the
+  top-k over the micro-batch (the non-causal reference).
 - tc (Token Choice): token t takes its top_k experts by r_t (+ a bias b with balance="bias"). Balancing:
   "aux" (Switch: alpha * E * sum_i f_i P_i, f the dispatch fractions, P the mean softmax probabilities),
   "bias" (DeepSeek loss-free: b_i += u * sign(mean load - load_i) once per step; b only selects) or none.
 
-State (unit buffers, fp32, all starting at 0): et: `threshold` (c_raw, E) and `updates` (n, a scalar: the
-optimizer steps so far, so it also drives the warmup switch); tc with bias balancing: `bias` (E). The
+State (unit buffers, fp32, all starting at 0): et and ec: `threshold` (c_raw, E) and `updates` (n, a scalar:
+the optimizer steps so far, so it also drives ET's warmup switch); tc with bias balancing: `bias` (E). The
 forward reads them and never writes them; `update_buffers` changes them, once per optimizer step, from the
 statistics the step's first forwards recorded. A backward's recompute routes exactly like the first forward
 (the buffers have not changed) and records nothing: its step context has no log.
@@ -57,9 +59,11 @@ BUFFERS = {"et": (("threshold", "experts"), ("updates", "scalar")), "bias": (("b
 @dataclass
 class RoutingLog:
     """What the MoE layers of one unit record in one training forward: one dict of statistics per layer, in
-    module order (`cutoff`: the k-th largest logit per expert; `counts`: tokens each expert took; `dropped`,
-    `padded`: capacity drops and pads; `zero`: tokens with no routed expert; `tokens`; `aux`: the aux loss), and
-    per layer that read them, its experts' row counts on the host (`counts`, what a recompute replays)."""
+    module order (`cutoff`: the k-th largest logit per expert; `lag`: the threshold lag c_eff - cutoff per
+    expert and `above`: the pairs with r >= c_eff, meaningful once the EMA has an update (`lagged` 1); `counts`:
+    tokens each expert took; `dropped`, `padded`: capacity drops and pads; `zero`: tokens with no routed
+    expert; `tokens`; `aux`: the aux loss), and per layer that read them, its experts' row counts on the host
+    (`counts`, what a recompute replays)."""
 
     records: list[dict[str, Tensor]] = field(default_factory=list)
     counts: list[list[int]] = field(default_factory=list)
@@ -154,16 +158,26 @@ def select(moe, logits: Tensor, buffers: dict[str, Tensor], training: bool) -> S
     if logits.device.type == "meta":
         rows = capacity(k, moe.capacity_factor, n)[1] if moe.router == "et" and _CAPACITY_BOUND.get() else k
         return _static(logits, rows)
-    if moe.router == "ec":
-        return expert_choice(logits, k)
     if moe.router == "tc":
         bias = buffers.get("bias")
         return token_choice(logits if bias is None else logits + bias, moe.top_k)
     c_eff = corrected_threshold(buffers["threshold"], buffers["updates"], moe.momentum)
     if not training:
+        if moe.router == "ec" and moe.ec_eval == "topk":
+            return expert_choice(logits, k)
         return _from_mask(logits >= c_eff)
-    return threshold_with_capacity(logits, c_eff, k, *capacity(k, moe.capacity_factor, n),
-                                   warmup=buffers["updates"] < moe.warmup_steps)
+    if moe.router == "ec":  # expert choice in training; its EMA of the cutoffs learns for causal evaluation
+        sel = expert_choice(logits, k)
+        sel.stats["cutoff"] = logits.topk(k, dim=0).values[k - 1]
+    else:
+        sel = threshold_with_capacity(logits, c_eff, k, *capacity(k, moe.capacity_factor, n),
+                                      warmup=buffers["updates"] < moe.warmup_steps)
+    # the threshold lag (how far the EMA is from this pool's k-th logit) and what the pure threshold test would
+    # route, as tensors (no read of the update count): the host keeps them once the EMA has an update
+    sel.stats["lag"] = c_eff - sel.stats["cutoff"]
+    sel.stats["above"] = (logits >= c_eff).sum().float()
+    sel.stats["lagged"] = (buffers["updates"] > 0).float()
+    return sel
 
 
 def corrected_threshold(c_raw: Tensor, updates: Tensor, momentum: float) -> Tensor:
@@ -276,13 +290,13 @@ def record_stats(sel: Selection, n_tokens: int, n_experts: int) -> dict[str, Ten
     zero = torch.zeros((), device=counts.device)
     return {"counts": counts, "zero": (~routed).sum().float(), "dropped": sel.stats.get("dropped", zero),
             "padded": sel.stats.get("padded", zero), "tokens": torch.full((), float(n_tokens), device=counts.device),
-            **{k: sel.stats[k] for k in ("cutoff",) if k in sel.stats}}
+            **{k: sel.stats[k] for k in ("cutoff", "lag", "above", "lagged") if k in sel.stats}}
 
 
 # -- state ---------------------------------------------------------------------------------------------------
 def buffer_shapes(moe, n_experts: int) -> list[tuple[str, tuple[int, ...]]]:
     """The routing buffers of one layer, by local name (all fp32, all starting at 0)."""
-    kind = "et" if moe.router == "et" else "bias" if moe.balance == "bias" else None
+    kind = "et" if moe.router in ("et", "ec") else "bias" if moe.balance == "bias" else None
     return [(name, (n_experts,) if size == "experts" else ()) for name, size in BUFFERS.get(kind, ())]
 
 
@@ -290,7 +304,7 @@ def update_layer(moe, buffers: dict[str, Tensor], records: list[dict[str, Tensor
     """One optimizer step's update of one layer's buffers from its micro-batches' records, in place."""
     if not records or not buffers:
         return
-    if moe.router == "et":
+    if moe.router in ("et", "ec"):
         cutoff = torch.stack([r["cutoff"] for r in records]).mean(0)
         buffers["threshold"].mul_(moe.momentum).add_(cutoff, alpha=1.0 - moe.momentum)
         buffers["updates"].add_(1.0)
@@ -305,13 +319,18 @@ def summarize(logs: dict[str, list[list[dict[str, Tensor]]]], top_k: int) -> dic
 
     Per layer: `load` (fraction of tokens each expert took; the target is top_k/E), `experts_per_token`,
     `zero_expert_share` (tokens with no routed expert), `drop_rate` and `pad_rate` (capacity drops and pads
-    per target assignment, N x top_k), `load_max_over_mean`, `aux_loss`; `moe_*` keys average over layers."""
+    per target assignment, N x top_k), `load_max_over_mean`, `aux_loss`; et and ec: `threshold_lag` and
+    `threshold_lag_abs` (the mean over experts and micro-batches of c_eff - the pool's k-th largest logit, and
+    of its absolute value: > 0, the threshold the step routes by is above the cutoff it should estimate) and
+    `threshold_rate` (pairs with r >= c_eff per target assignment: what the pure threshold test would route,
+    1 = on target); `moe_*` keys average over layers."""
     layers = {unit: _layer_metrics([r for mb in per_mb for r in mb], top_k) for unit, per_mb in logs.items()}
     layers = {unit: row for unit, row in layers.items() if row}
     if not layers:
         return {}
     out: dict = {"moe_layers": layers}
-    for key in ("experts_per_token", "zero_expert_share", "drop_rate", "pad_rate", "load_max_over_mean", "aux_loss"):
+    for key in ("experts_per_token", "zero_expert_share", "drop_rate", "pad_rate", "load_max_over_mean", "aux_loss",
+                "threshold_lag", "threshold_lag_abs", "threshold_rate"):
         vals = [row[key] for row in layers.values() if key in row]
         if vals:
             out[f"moe_{key}"] = sum(vals) / len(vals)
@@ -331,4 +350,8 @@ def _layer_metrics(recs: list[dict[str, Tensor]], top_k: int) -> dict:
            "load_max_over_mean": float(counts.max()) / max(total / len(counts), 1e-9)}
     if "aux" in recs[0]:
         row["aux_loss"] = sum(float(r["aux"]) for r in recs) / len(recs)
+    if "lag" in recs[0] and all(float(r["lagged"]) > 0 for r in recs):  # once the EMA has an update
+        row["threshold_lag"] = sum(float(r["lag"].mean()) for r in recs) / len(recs)
+        row["threshold_lag_abs"] = sum(float(r["lag"].abs().mean()) for r in recs) / len(recs)
+        row["threshold_rate"] = sum(float(r["above"]) for r in recs) / (tokens * top_k)
     return row

@@ -163,6 +163,61 @@ def test_warmup_switch_and_the_inference_rule():
     assert routing.select(moe, logits, low, training=False).counts == [32] * 4  # no capacity at inference
 
 
+def test_expert_choice_learns_its_own_ema_cutoff_and_evaluates_by_it():
+    moe = MoEConfig(router="ec", n_experts=4, momentum=0.5, warmup_steps=0)
+    assert [name for name, _ in routing.buffer_shapes(moe, 4)] == ["threshold", "updates"]
+    logits = torch.randn(32, 4, generator=torch.Generator().manual_seed(2))
+    k = routing.expected_rows(32, 1, 4)
+    bufs = {"threshold": torch.zeros(4), "updates": torch.zeros(())}
+    first = routing.select(moe, logits, bufs, training=True)
+    assert first.counts == [k] * 4 and float(first.stats["lagged"]) == 0  # top-k in training; no EMA yet
+    assert "moe_threshold_lag" not in routing.summarize({"b": [[routing.record_stats(first, 32, 4)]]}, top_k=1)
+    routing.update_layer(moe, bufs, [routing.record_stats(first, 32, 4)])
+    c_eff = routing.corrected_threshold(bufs["threshold"], bufs["updates"], 0.5)
+    torch.testing.assert_close(c_eff, logits.topk(k, dim=0).values[k - 1])  # one update: the cutoff itself
+    shifted = logits + torch.tensor([0.0, 1.0, -1.0, 0.0])
+    train = routing.select(moe, shifted, bufs, training=True)
+    assert train.counts == [k] * 4  # training stays expert choice whatever the threshold says
+    torch.testing.assert_close(train.stats["lag"], torch.tensor([0.0, -1.0, 1.0, 0.0]))  # c_eff - k-th logit
+    evaled = routing.select(moe, shifted, bufs, training=False)
+    assert evaled.counts == (shifted >= c_eff).sum(0).tolist() and evaled.counts != [k] * 4  # r >= c_eff
+    topk = routing.select(moe.model_copy(update={"ec_eval": "topk"}), shifted, bufs, training=False)
+    assert topk.counts == [k] * 4
+
+
+def test_threshold_lag_is_logged_per_step():
+    moe = MoEConfig(n_experts=4, momentum=0.9, warmup_steps=1)
+    logits = torch.randn(64, 4, generator=torch.Generator().manual_seed(5))
+    bufs = {"threshold": torch.full((4,), 0.1), "updates": torch.ones(())}  # c_eff = 0.1 / 0.1 = 1
+    sel = routing.select(moe, logits, bufs, training=True)
+    k = routing.expected_rows(64, 1, 4)
+    lag = 1.0 - logits.topk(k, dim=0).values[k - 1]
+    torch.testing.assert_close(sel.stats["lag"], lag)
+    rec = routing.record_stats(sel, 64, 4)
+    out = routing.summarize({"blocks.1": [[rec], [rec]]}, top_k=1)
+    assert out["moe_threshold_lag"] == pytest.approx(float(lag.mean()))
+    assert out["moe_threshold_lag_abs"] == pytest.approx(float(lag.abs().mean()))
+    assert out["moe_threshold_rate"] == pytest.approx(float((logits >= 1.0).sum()) / 64)  # r >= c_eff, per N x top_k
+    tc = routing.select(MoEConfig(router="tc"), logits, {}, training=True)
+    assert "moe_threshold_lag" not in routing.summarize({"b": [[routing.record_stats(tc, 64, 4)]]}, top_k=1)
+
+
+@pytest.mark.parametrize("rate, balanced", [(1e-3, False), (2e-2, True)])
+def test_bias_balancing_balances_within_the_steps_its_rate_allows(rate, balanced):
+    """b_i moves by at most u a step: an expert preferred by a logit margin of about 1 is balanced in about
+    1/u steps, so u = 2e-2 balances within 100 steps and the DeepSeek-V3 u = 1e-3 does not."""
+    moe = MoEConfig(router="tc", balance="bias", bias_rate=rate, n_experts=4)
+    g = torch.Generator().manual_seed(0)
+    skew = torch.tensor([1.0, 0.0, 0.0, -1.0])
+    bufs = {"bias": torch.zeros(4)}
+    for _ in range(100):
+        logits = torch.randn(256, 4, generator=g) * 0.5 + skew
+        sel = routing.select(moe, logits, bufs, training=True)
+        routing.update_layer(moe, bufs, [routing.record_stats(sel, 256, 4)])
+    load = torch.tensor(sel.counts, dtype=torch.float32)
+    assert (float(load.max() / load.mean()) < 1.3) is balanced, sel.counts
+
+
 # -- causality at inference -----------------------------------------------------------------------------------
 def _routing_and_hidden(model, tokens, monkeypatch):
     """Per MoE layer the (tokens, experts) assignment mask, and the final hidden states, in eval mode."""
@@ -188,9 +243,9 @@ def _routing_and_hidden(model, tokens, monkeypatch):
     return masks, hidden
 
 
-@pytest.mark.parametrize("router", ["et", "ec"])
-def test_inference_routing_is_causal_for_et_not_for_expert_choice(router, monkeypatch):
-    config = with_moe(router=router)
+@pytest.mark.parametrize("router, ec_eval", [("et", "threshold"), ("ec", "threshold"), ("ec", "topk")])
+def test_inference_routing_is_causal_for_thresholds_not_for_expert_choice_top_k(router, ec_eval, monkeypatch):
+    config = with_moe(router=router, ec_eval=ec_eval)
     model = build_eager(config, seed=1).eval()
     for name, buf in model.named_buffers():  # ET state after 3 updates, c_eff = 1 (about 1/8 of logits above)
         buf.fill_(3.0 if name.endswith("updates") else 1 - config.moe.momentum**3)
@@ -204,7 +259,7 @@ def test_inference_routing_is_causal_for_et_not_for_expert_choice(router, monkey
     same_routing = all(torch.equal(a[:, : t + 1], b[:, : t + 1]) for a, b in zip(masks_a, masks_b))
     # NOTE: outputs agree to fp32 round-off, not bit for bit: an expert's GEMM blocks by how many tokens it takes
     drift = float((hidden_a[:, : t + 1] - hidden_b[:, : t + 1]).abs().max())
-    if router == "et":
+    if ec_eval == "threshold":  # et, and ec evaluated from its own EMA cutoff (the paper's causal evaluation)
         assert same_routing and drift < 1e-6
         assert 0 < sum(int(m.sum()) for m in masks_a) < sum(m.numel() for m in masks_a)  # routing is not trivial
     else:  # expert choice ranks the whole micro-batch: later tokens move earlier tokens in and out of experts

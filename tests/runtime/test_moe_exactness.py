@@ -6,7 +6,8 @@ accumulation, over plans with one and two parameter slots and checkpoints on dev
 biases) is bit-identical to build_eager + AdamW (runtime/reference.py) on the same batches, and so are the
 losses: the buffers are updated once per step from the first forwards' statistics, never from a backward's
 recompute. ET thresholds from step 2 on (one warmup step) with a capacity factor low enough that drops and
-pads happen; token choice runs with the Switch aux loss (softmax gate, top-2) and with bias balancing. Each
+pads happen; token choice runs with the Switch aux loss (softmax gate, top-2) and with bias balancing; expert
+choice learns its EMA cutoff (its causal evaluation) like ET. Each
 plan runs in a device pool of exactly its predicted peak: for MoE the plan is an upper bound.
 """
 
@@ -27,6 +28,7 @@ CASES = {
     "et": ({"router": "et", "warmup_steps": 1, "capacity_factor": 0.25}, 3, 1.0),
     "tc-aux": ({"router": "tc", "balance": "aux", "gate": "softmax", "top_k": 2, "aux_loss_coef": 0.01}, 3, None),
     "tc-bias": ({"router": "tc", "balance": "bias", "bias_rate": 0.01}, 2, 1.0),
+    "ec": ({"router": "ec", "momentum": 0.9}, 2, 1.0),
 }
 
 
@@ -67,6 +69,11 @@ def test_streamed_moe_equals_eager_buffers_included(case):
         assert metrics[0]["moe_drop_rate"] == metrics[0]["moe_pad_rate"] == 0  # step 1: expert choice
         assert metrics[0]["moe_load_max_over_mean"] == 1
         assert metrics[2]["moe_drop_rate"] > 0 and metrics[2]["moe_pad_rate"] > 0  # capacity at work
+    if case in ("et", "ec"):  # the threshold lag is logged once the EMA has an update
+        assert "moe_threshold_lag" not in metrics[0] and metrics[2]["moe_threshold_lag_abs"] > 0
+    if case == "ec":
+        assert all(float(b) == 3 for n, b in buffers.items() if n.endswith("updates"))
+        assert metrics[2]["moe_load_max_over_mean"] == 1  # expert choice in training throughout
     if case == "tc-aux":
         assert metrics[0]["moe_aux_loss"] > 0 and metrics[0]["moe_experts_per_token"] == 2
     if case == "tc-bias":
