@@ -150,23 +150,28 @@ def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def test_a_killed_rank_stops_the_others_within_the_timeout(tmp_path):
-    """Rank 1 is SIGKILLed inside its host optimizer (the others wait for it in a collective): rank 0 ends
-    with exit code 2 and one line naming rank 1, and the line is the heartbeat watchdog's verdict (a peer
-    silent for dead_after_s = 3 s), not the 20 s collective timeout's."""
-    procs = _ranks(_train_argv(tmp_path), tmp_path, pause_rank1="optimizer:2")
+def _kill_rank1_when_paused(procs) -> str:
+    """SIGKILL rank 1 once it says it paused (or after TIMEOUT_S); rank 0's stderr once it has exited."""
     try:
         deadline = time.monotonic() + TIMEOUT_S
         for line in procs[1].stderr:
             if "megatrain-test: paused at" in line or time.monotonic() > deadline:
                 break
         procs[1].send_signal(signal.SIGKILL)
-        _, err = procs[0].communicate(timeout=TIMEOUT_S)
+        return procs[0].communicate(timeout=TIMEOUT_S)[1]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+def test_a_killed_rank_stops_the_others_within_the_timeout(tmp_path):
+    """Rank 1 is SIGKILLed inside its host optimizer (the others wait for it in a collective): rank 0 ends
+    with exit code 2 and one line naming rank 1, and the line is the heartbeat watchdog's verdict (a peer
+    silent for dead_after_s = 3 s), not the 20 s collective timeout's."""
+    procs = _ranks(_train_argv(tmp_path), tmp_path, pause_rank1="optimizer:2")
+    err = _kill_rank1_when_paused(procs)
     assert procs[0].returncode == 2, err[-3000:]
     (line,) = _errors(err)
     assert "rank 1 stopped: no heartbeat" in line and "rank 0 stops" in line, line
@@ -202,17 +207,7 @@ def test_a_rank_killed_while_saving_loses_no_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     argv = _train_argv(tmp_path, "--checkpoint-every", "2", "--checkpoint-dir", str(ckpt))
     procs = _ranks(argv, tmp_path, pause_rank1="checkpoint:4")
-    try:
-        for line in procs[1].stderr:
-            if "megatrain-test: paused at" in line:
-                break
-        procs[1].send_signal(signal.SIGKILL)
-        _, err = procs[0].communicate(timeout=TIMEOUT_S)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    err = _kill_rank1_when_paused(procs)
     assert procs[0].returncode == 2, err[-3000:]
     (line,) = _errors(err)
     assert "rank 1 stopped" in line and "rank 0 stops" in line, line
