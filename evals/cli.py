@@ -218,27 +218,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_agreement)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of `python -m megatrain.evals.cli`: one command, `vab`, as the top-level CLI has it."""
-    parser = argparse.ArgumentParser(prog="python -m megatrain.evals.cli",
-                                     description="Visual Aesthetic Benchmark protocol (docs/VAB.md).")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Run `vab ...` from `argv`; a user error (a ValueError, an OSError) prints `error: <message>` and
-    returns 2, as the top-level `megatrain` CLI does."""
-    try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        return int(args.func(args) or 0)
-    except (ValueError, OSError) as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    """Run `vab ...` from `argv` through the top-level `megatrain` CLI, which registers the same command
+    (add_parser) and owns the error convention: a user error prints `error: <message>` and returns 2."""
+    from megatrain.cli import main as megatrain_main
+
+    return megatrain_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

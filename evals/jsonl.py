@@ -9,7 +9,6 @@ Try it: `python -c "from megatrain.evals.jsonl import iter_json_lines; print(lis
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import IO, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from megatrain.files import MAX_JSON_DEPTH, atomic_open, json_depth, read_regular
+from megatrain.files import atomic_open, json_lines
 
 from .errors import VabError
 
@@ -31,23 +30,7 @@ def iter_json_lines(path: str | Path) -> Iterator[tuple[int, dict]]:
     path = Path(path)
     if not path.exists():
         raise VabError(f"{path}: no such file; check the path")
-    try:
-        text = read_regular(path, MAX_JSONL_BYTES, "a JSON Lines file", VabError).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise VabError(f"{path}: cannot read ({exc}); pass a UTF-8 JSON Lines file") from None
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise VabError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                           "write one JSON object per line") from None
-        except (RecursionError, MemoryError, ValueError) as exc:
-            raise VabError(f"{path}:{lineno}: not valid JSON ({type(exc).__name__}: nested too deeply or too "
-                           "large); write one JSON object per line") from None
-        if json_depth(obj) > MAX_JSON_DEPTH:
-            raise VabError(f"{path}:{lineno}: nested more than {MAX_JSON_DEPTH} levels deep; write flat records")
+    for lineno, obj in json_lines(path, "a JSON Lines file", VabError, MAX_JSONL_BYTES):
         if not isinstance(obj, dict):
             raise VabError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}; "
                            "write one JSON object per line")

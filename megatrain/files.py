@@ -1,9 +1,10 @@
 """Files a user hands megatrain, and files megatrain writes: defensive reads, atomic writes, path checks.
 
 Where it sits: below every command that reads a user's file or writes an output. Nothing here imports torch:
-the CLI checks paths before it imports anything heavy. Run its tests: `.venv/bin/pytest tests/test_files.py`.
+the CLI checks paths before it imports anything heavy. Run its tests:
+`.venv/bin/pytest tests/test_nothing_lost.py tests/test_cli_hostile.py`.
 
-Reading (`read_regular`, `read_json`): regular files only (a FIFO, a device or a folder given as a file is
+Reading (`read_regular`, `read_json`, `json_lines`): regular files only (a FIFO, a device or a folder given as a file is
 refused before any read: opening with O_NONBLOCK, a FIFO with no writer does not hang), under a size cap,
 JSON parsed with a nesting limit. One line names the file; the caller picks the error class.
 
@@ -50,6 +51,45 @@ def read_regular(path: str | Path, cap: int, what: str, error: type[Exception] =
     if len(data) > cap:
         raise error(f"{path}: larger than {cap:,} bytes, too large for {what}; check it is the right file")
     return data
+
+
+def json_lines(path: str | Path, what: str, error: type[Exception] = ValueError,
+               cap: int | None = None) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of the JSON Lines file `path`, read line by line (a
+    regular file only, at most `cap` bytes if given) with the nesting limit; a line that is not UTF-8 or not
+    JSON raises `error` naming the file and the line."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        f = open(fd, "rb")
+    except OSError as e:
+        raise error(f"{path}: cannot read {what} ({e.strerror}); check the path exists and is readable") from None
+    with f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise error(f"{path}: not a regular file; pass {what} itself")
+        read = 0
+        for n, raw in enumerate(f, start=1):
+            read += len(raw)
+            if cap is not None and read > cap:
+                raise error(f"{path}: larger than {cap:,} bytes, too large for {what}; check it is the right file")
+            where = f"{path}:{n}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise error(f"{where}: not UTF-8 text; re-save the file as UTF-8") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno}); write one JSON object "
+                            "per line") from None
+            except (RecursionError, MemoryError, ValueError) as e:
+                raise error(f"{where}: not valid JSON ({type(e).__name__}: nested too deeply or too large); "
+                            "write one JSON object per line") from None
+            if json_depth(value) > MAX_JSON_DEPTH:
+                raise error(f"{where}: nested more than {MAX_JSON_DEPTH} levels deep; write flat records")
+            yield n, value
 
 
 def json_depth(value, limit: int = MAX_JSON_DEPTH) -> int:

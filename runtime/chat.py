@@ -36,6 +36,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from megatrain.files import json_lines
+
 from .data import DataError
 
 if TYPE_CHECKING:
@@ -357,33 +359,19 @@ def read_examples(path: str | Path) -> Iterator[tuple[str, dict, int]]:
     if not path.is_file():
         raise DataError(f"{path}: instruction file not found; pass a JSONL file of chat or Alpaca records")
     first: tuple[str, int] | None = None
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, start=1):
-            where = f"{path}:{n}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise DataError(f"{where}: not UTF-8 text; re-save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not JSON ({e.msg} at column {e.colno}); write one JSON object "
-                                "per line") from None
-            except (RecursionError, ValueError) as e:
-                raise DataError(f"{where}: not JSON ({type(e).__name__}: nested too deeply or too large)") from None
-            if not isinstance(record, dict) or not ("messages" in record or "instruction" in record
-                                                    or "output" in record):
-                raise DataError(f"{where}: expected a JSON object with \"messages\" (chat) or \"instruction\" "
-                                "and \"output\" (Alpaca)")
-            kind = "chat" if "messages" in record else "alpaca"
-            problem = _check_chat(record) if kind == "chat" else _check_alpaca(record)
-            if problem:
-                raise DataError(f"{where}: {problem}")
-            if first is None:
-                first = (kind, n)
-            elif kind != first[0]:
-                raise DataError(f"{where}: {'an' if kind == 'alpaca' else 'a'} {kind} record in a file of "
-                                f"{first[0]} records (line {first[1]} is {first[0]}); keep one format per file")
-            yield kind, record, n
+    for n, record in json_lines(path, "an instruction JSONL file", DataError):
+        where = f"{path}:{n}"
+        if not isinstance(record, dict) or not ("messages" in record or "instruction" in record
+                                                or "output" in record):
+            raise DataError(f"{where}: expected a JSON object with \"messages\" (chat) or \"instruction\" "
+                            "and \"output\" (Alpaca)")
+        kind = "chat" if "messages" in record else "alpaca"
+        problem = _check_chat(record) if kind == "chat" else _check_alpaca(record)
+        if problem:
+            raise DataError(f"{where}: {problem}")
+        if first is None:
+            first = (kind, n)
+        elif kind != first[0]:
+            raise DataError(f"{where}: {'an' if kind == 'alpaca' else 'a'} {kind} record in a file of "
+                            f"{first[0]} records (line {first[1]} is {first[0]}); keep one format per file")
+        yield kind, record, n

@@ -298,7 +298,7 @@ def test_read_examples_yields_records_with_line_numbers(tmp_path):
 
 
 MALFORMED = {
-    "not JSON": ('{"messages": [', "data.jsonl:2: not JSON"),
+    "not JSON": ('{"messages": [', "data.jsonl:2: not valid JSON"),
     "not an object": ("[1, 2]", "data.jsonl:2: expected a JSON object with \"messages\""),
     "messages not a list": ({"messages": "hi"}, "data.jsonl:2: messages: expected a list"),
     "empty conversation": ({"messages": []}, "data.jsonl:2: messages: an empty conversation"),
@@ -317,7 +317,7 @@ MALFORMED = {
     "output not a string": ({"instruction": "x", "output": ["y"]}, "data.jsonl:2: output: expected a string"),
     "input not a string": ({"instruction": "x", "input": 1, "output": "y"}, "data.jsonl:2: input: expected a string"),
     "mixed formats": ({"instruction": "x", "output": "y"}, "data.jsonl:2: an alpaca record in a file of chat records"),
-    "nested too deeply": ("[" * 100_000 + "]" * 100_000, "data.jsonl:2: not JSON (RecursionError"),
+    "nested too deeply": ("[" * 100_000 + "]" * 100_000, "data.jsonl:2: not valid JSON (RecursionError"),
 }
 
 
