@@ -25,8 +25,10 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import sys
 import sysconfig
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -312,12 +314,32 @@ def cached_default_corpus(val_fraction: float = 0.05, seed: int = 0, tokenizer: 
     cache = Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain")
     out = cache / f"corpus-{key.hexdigest()[:16]}"
     train, val = out / "train.bin", out / "val.bin"
-    try:
-        TokenFile.open(train)
-        TokenFile.open(val)
+    if _complete(train, val):
         return train, val
+    # NOTE: built in a private folder and renamed into place whole: processes sharing the cache (the ranks of
+    # a world) never see a token file without its sidecar, and the first complete copy wins
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=cache))
+    try:
+        prepare(None, tmp, val_fraction, seed, tokenizer=tok)
+        try:
+            os.rename(tmp, out)
+        except OSError:  # another process's copy is in place, or a broken one is in the way
+            if not _complete(train, val):
+                shutil.rmtree(out, ignore_errors=True)
+                os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return train, val
+
+
+def _complete(*paths: Path) -> bool:
+    try:
+        for path in paths:
+            TokenFile.open(path)
     except DataError:
-        return prepare(None, out, val_fraction, seed, tokenizer=tok)
+        return False
+    return True
 
 
 # -- the command line ---------------------------------------------------------------------------------------

@@ -247,8 +247,35 @@ def test_cached_default_corpus_is_built_once(tmp_path, monkeypatch):
     assert tf.n_tokens > 1_000_000 and TokenFile.open(val).n_tokens > 10_000
     mtime = train.stat().st_mtime_ns
     assert cached_default_corpus() == (train, val) and train.stat().st_mtime_ns == mtime  # reused
+    sidecar_path(val).unlink()  # a copy left incomplete: rebuilt whole in a private folder, renamed over it
+    assert cached_default_corpus() == (train, val) and TokenFile.open(val).n_tokens > 10_000
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [train.parent.name]  # no private folder left
     x, y = Batcher(tf, 2, 128, 1, seed=0).batch(0)[0]
     assert len(decode(x[0])) > 0
+
+
+def test_ranks_sharing_a_cache_never_see_half_a_default_corpus(tmp_path, monkeypatch):
+    """Two processes (the ranks of a world) building the default corpus at once: each returns a whole copy
+    (both token files with their sidecars), whichever rename came first."""
+    import threading
+
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+    got, errors = [], []
+
+    def build():
+        try:
+            got.append(cached_default_corpus())
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and got[0] == got[1]
+    assert all(TokenFile.open(p).n_tokens > 0 for p in got[0])
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [got[0][0].parent.name]
 
 
 def test_prepare_command(tmp_path, texts, capsys):
