@@ -399,11 +399,16 @@ class SimDevice(Device):
 
     `delays=(lo, hi)` sleeps a uniform random time in seconds before each queued op, record and wait, drawn
     from a generator per stream seeded from `seed`, so a missing wait shows up as a wrong result in tests.
+    `threads`: torch intra-op threads per stream worker (`sim_threads`): the compute worker gets the creating
+    thread's count (what eager code in this process computes with, so reductions split alike and results stay
+    bit for bit those of eager PyTorch), the copy and host workers one each, so they take a core beside the
+    compute instead of oversubscribing every core (their work is elementwise: the thread count changes no bit).
     """
 
     kind = "sim"
 
-    def __init__(self, budget_bytes: int | None = None, delays: tuple[float, float] | None = None, seed: int = 0):
+    def __init__(self, budget_bytes: int | None = None, delays: tuple[float, float] | None = None, seed: int = 0,
+                 threads: dict[str, int] | None = None):
         if delays is not None:
             lo, hi = delays
             if not 0 <= lo <= hi:
@@ -411,7 +416,18 @@ class SimDevice(Device):
         super().__init__(budget_bytes, torch.device("cpu"))
         self._delays = delays
         self._rngs = {s: random.Random(f"{seed}:{s}") for s in STREAMS}
+        self.threads = sim_threads(threads)
+        caller = torch.get_num_threads()
+        self._ready = threading.Barrier(len(STREAMS) + 1)
         self._start_workers()
+        self._ready.wait()
+        torch.set_num_threads(caller)  # NOTE: a worker's set_num_threads also set the default of new threads
+
+    def _worker_init(self, stream: str) -> None:
+        try:
+            torch.set_num_threads(self.threads[stream])  # this thread's OpenMP and MKL team size
+        finally:
+            self._ready.wait()
 
     def _before(self, stream: str) -> None:
         if self._delays is not None:
@@ -521,6 +537,16 @@ class CudaDevice(Device):
     def reset_peak(self) -> None:
         super().reset_peak()
         torch.cuda.reset_peak_memory_stats(self.torch_device)
+
+
+def sim_threads(threads: dict[str, int] | None = None) -> dict[str, int]:
+    """Intra-op threads per sim stream: `threads` over the defaults (compute: this thread's torch count;
+    h2d, d2h, host: 1)."""
+    out = {s: 1 for s in STREAMS} | {"compute": torch.get_num_threads()} | dict(threads or {})
+    bad = {k: v for k, v in out.items() if k not in STREAMS or not isinstance(v, int) or v < 1}
+    if bad:
+        raise ValueError(f"sim device threads {bad}: give a positive integer per stream ({', '.join(STREAMS)})")
+    return out
 
 
 def make_device(kind: str, budget_bytes: int | None = None, **kw) -> Device:

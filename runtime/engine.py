@@ -69,6 +69,7 @@ class Engine:
         self.n_tokens = 0
         self.routing_logs: dict[str, dict[int, routing.RoutingLog]] = {}  # this step's, by unit and micro-batch
         self.timeline: list[tuple] | None = None  # (stream, label, start, end, pool bytes) when tracing
+        self.finals: dict[int, tuple[float, float | None]] = {}  # step -> when its state was final
         self._allocate_static()
 
     # -- static buffers -----------------------------------------------------------------------------------
@@ -115,10 +116,27 @@ class Engine:
         self.device.submit("compute", place, "begin(batch)")
 
     def end(self) -> float:
-        """Wait for this step's compute (not its host optimizer) and return the mean token loss."""
+        """Wait for this step's compute (not its host optimizer) and return the mean token loss. A marker
+        behind the step's last host-stream op notes when its state is final (`final_time`)."""
+        step, store, finals = self.step_index, self.store, self.finals
+
+        def mark():
+            finals[step] = (time.perf_counter(), store.last_grad_norm)
+            while len(finals) > 64:  # NOTE: only the last few steps are ever asked for
+                finals.pop(next(iter(finals)))
+
+        self.device.submit("host", mark, f"end of step {step}")
         self.device.synchronize("compute")
         self.step_index += 1
         return float(sum(float(x) for x in self.losses)) / self.n_tokens
+
+    def final_time(self, step: int, wait: bool = True) -> tuple[float, float | None] | None:
+        """(perf_counter time, global gradient norm) when step `step`'s host stream finished, i.e. when its
+        master weights and moments were final; None if not yet (`wait=False`). Waiting drains the host
+        stream up to that step (the other streams run on)."""
+        if step not in self.finals and wait:
+            self.device.synchronize("host")
+        return self.finals.get(step)
 
     def routing_metrics(self) -> dict:
         """The last step's routing metrics (routing.summarize); {} for a model without MoE layers."""

@@ -15,7 +15,12 @@ from that state; "skip" logs the step and goes on. A skip must be all or nothing
 landed, in forward order) even without clipping; see docs/CHECKPOINTS.md for the cost.
 
 Metrics: one JSON record per logged step (loss, lr, step time, tokens/s, device peaks, grad norm,
-validation loss); MoE models add the step's routing metrics (models/routing.py `summarize`): `moe_layers`
+validation loss). `step_time_s` covers the step until its state is final, its host optimizer included: the
+wall time from the step's start (or, when it overlapped the previous step's host optimizer, from that step's
+final state) to its own last host-stream op, so the figures of back-to-back steps add up to the run's wall
+time and tokens/s is steady-state throughput; `compute_time_s` is the part until the loss was known (the
+host optimizer may still run then). A record is written once its step is final, at the latest right after the
+next step's compute. Evaluation and checkpoints, which drain the device, are outside every step. MoE models add the step's routing metrics (models/routing.py `summarize`): `moe_layers`
 (per MoE block: per-expert load fractions, experts per token, zero-expert share, capacity drop and pad
 rates, max/mean load, aux loss) and their averages over blocks as `moe_*`.
 
@@ -173,6 +178,8 @@ class Trainer:
         self.events: list[dict] = []  # skipped steps under on_nan="skip"
         self.plan_changed = False  # resumed under a different program (fine: the math does not depend on it)
         self._sink = None  # the open metrics file during run()
+        self._open: list[dict] = []  # records of steps whose state is not final yet (run())
+        self._last_final: float | None = None  # when the last completed record's step was final
         self._pause = _pause_point()
         self.device: Device | None = None
         # one run writes into a checkpoint folder at a time: its lock is held until close()
@@ -376,45 +383,76 @@ class Trainer:
         logs = append_open(self.metrics_path, "--metrics") if self.metrics_path else contextlib.nullcontext()
         with logs as sink, _signals(handle_signals) as stop, Progress(*cols, disable=not progress) as bar:
             self._sink = sink
-            try:
-                task = bar.add_task("train", total=last, completed=self.step, info="")
-                for _ in range(steps):
-                    rec = self._logged_step(eval_every)
-                    if self.step % log_every == 0 or "val_loss" in rec:
+            task = bar.add_task("train", total=last, completed=self.step, info="")
+
+            def finish(block: bool) -> None:
+                # NOTE: a step's record is complete once its state is final (its host optimizer done): right
+                # after the next step's compute at the latest (every load of that step waits for an update of
+                # this one), or at a synchronize; records stay in step order
+                while self._open and self._final(self._open[0], block):
+                    rec = self._open.pop(0)
+                    if rec["step"] % log_every == 0 or "val_loss" in rec:
                         records.append(rec)
                         self._write_record(rec)
+                    bar.update(task, info=self._progress_info(rec))
+
+            try:
+                for _ in range(steps):
+                    self._open.append(self._logged_step(eval_every))
+                    finish(block=len(self._open) > 1)
                     saved = self.checkpoint_every and (self.step % self.checkpoint_every == 0 or self.step == last)
                     if saved:
                         self.save_checkpoint()
-                    bar.update(task, advance=1, info=self._progress_info(rec))
+                        finish(block=True)
+                    bar.update(task, advance=1)
                     if stop:
                         self.device.synchronize()
+                        finish(block=True)
                         self._handle_faults()
                         if self.checkpoint_every and not saved:
                             self.save_checkpoint()
                         raise Preempted(stop[0], self.step, self.last_checkpoint if self.checkpoint_every else None)
                 self.device.synchronize()
+                finish(block=True)
                 self._handle_faults()
             finally:
+                with contextlib.suppress(Exception):  # the steps before a fault keep their records
+                    finish(block=True)
+                self._open = []
                 self._sink = None
         return records
 
     def _logged_step(self, eval_every: int) -> dict:
-        """One training step and its metrics record."""
-        t0 = time.perf_counter()
+        """One training step and its metrics record, whose timing `_final` completes."""
+        start = time.perf_counter()
         loss = self.train_step(self.batcher.batch(self.step))
-        dt = time.perf_counter() - t0
+        computed = time.perf_counter() - start
         self._handle_faults(loss)
-        rec = {"step": self.step, "loss": loss, "lr": lr_at(self.train, self.step - 1), "step_time_s": dt,
-               "tokens_per_s": self.train.tokens_per_step / dt, "peak_device_bytes": self.device.measured_peak_bytes(),
+        rec = {"step": self.step, "loss": loss, "lr": lr_at(self.train, self.step - 1),
+               "compute_time_s": computed, "peak_device_bytes": self.device.measured_peak_bytes(),
                "planned_peak_device_bytes": self.planned_peak_device_bytes,
-               "predicted_step_time_s": self.plan.step_time_s}
+               "predicted_step_time_s": self.plan.step_time_s, "_start": start, "_index": self.engine.step_index - 1}
         if eval_every and self.step % eval_every == 0:
             rec["val_loss"] = self.validation_loss()
-        if self.store.last_grad_norm is not None:
-            rec["grad_norm"] = self.store.last_grad_norm
         rec.update(self.engine.routing_metrics())
         return rec
+
+    def _final(self, rec: dict, block: bool) -> bool:
+        """Complete `rec` once its step's state is final (False while not yet, unless `block`): step_time_s is
+        the wall time from the step's start, or from the previous step's final state when that came later (the
+        step overlapped it), to its own final state, so back-to-back steps add up to the run's wall time."""
+        done = self.engine.final_time(rec["_index"], wait=block)
+        if done is None:
+            return False
+        at, grad_norm = done
+        begin = max(rec.pop("_start"), self._last_final or 0.0)
+        self._last_final = at
+        rec.pop("_index")
+        dt = at - begin
+        rec.update(step_time_s=dt, tokens_per_s=self.train.tokens_per_step / dt)
+        if grad_norm is not None:
+            rec["grad_norm"] = grad_norm
+        return True
 
     def _progress_info(self, rec: dict) -> str:
         val = f" val {rec['val_loss']:.3f}" if rec.get("val_loss") is not None else ""
