@@ -30,7 +30,8 @@ TRACKS = {"compute": 1, "h2d": 2, "d2h": 3, "host": 4}
 
 def plan_estimate(plan: Plan) -> Estimate:
     """The estimator's unrolled steps for a plan (per-instruction start and duration)."""
-    return estimate_time(plan.program, CostModel(plan.ir, plan.hardware, plan.host_policy))
+    return estimate_time(plan.program, CostModel(plan.ir, plan.hardware, plan.host_policy,
+                                                 plan.train.clip_norm is not None))
 
 
 def predicted_spans(plan: Plan, est: Estimate) -> Iterator[tuple[int, int, Instr, float, float]]:

@@ -26,6 +26,7 @@ from megatrain.files import read_json
 from megatrain.ir.base import IRModel
 
 from .bytesize import format_bytes
+from .profile import UnitProfile
 
 GiB = 2**30
 MATMUL_EFFICIENCY = 0.75
@@ -68,6 +69,9 @@ class Hardware(IRModel):
     )
     copy_latency_s: float = Field(1e-5, ge=0, description="fixed cost of one copy on a link")
     source: str = Field("", description="where the figures come from")
+    units: UnitProfile | None = Field(None, description="measured op costs of one model shape on this device "
+                                      "(`megatrain probe --model`, planner/profile.py): the cost model prices "
+                                      "the units it covers from them instead of the rates above")
 
     @field_validator("matmul_flops", "peak_flops", mode="before")
     @classmethod

@@ -74,8 +74,9 @@ def host_policy_pass(s: State) -> tuple[State, list[str]]:
     """How the host holds the model state (host_policy.py): the named policy, or auto's choice; the host
     feasibility floor."""
     choice = choose(s.ir, s.hw.host_memory_bytes, s.train.clip_norm is not None, s.host_request)
+    costs = CostModel(s.ir, s.hw, choice.policy, s.train.clip_norm is not None)
     return dataclasses.replace(s, policy=choice.policy, host_floor=choice.floor_bytes, host_reason=choice.reason,
-                               costs=CostModel(s.ir, s.hw, choice.policy)), list(choice.lines)
+                               costs=costs), list(choice.lines)
 
 
 def slots_pass(s: State) -> tuple[State, list[str]]:
