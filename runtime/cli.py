@@ -80,6 +80,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "--checkpoint-dir; --steps is the run's total, so pass the same settings as the first run")
     t.add_argument("--allow-data-change", action="store_true", help="with --resume: continue although the data "
                    "file's bytes differ from the checkpoint's record of them (a deliberate switch of data)")
+    t.add_argument("--sim-threads", type=int, default=None, metavar="N",
+                   help="the sim device's compute stream computes with N intra-op threads (default: torch's; the "
+                   "copy and host streams take one each); a probe is specific to it")
     t.add_argument("--on-nan", choices=("abort", "skip"), default="abort",
                    help="a NaN/inf loss or gradient: abort (default: stop, keep the last checkpoint) or skip "
                    "(apply no update for that step, log it, go on)")
@@ -236,6 +239,9 @@ def run_train(args: argparse.Namespace) -> int:
     if ckpt_dir and args.checkpoint_every:
         _check_checkpoint_dir(ckpt_dir, inputs)
         writable_dir(ckpt_dir, "--checkpoint-dir")
+    profile = "auto" if args.hardware == "auto" else "off"  # auto: a cached probe of this machine, if any
+    _need(args.sim_threads is None or args.sim_threads > 0,
+          f"--sim-threads must be a positive integer, got {args.sim_threads}")
     device, hardware = _device_and_hardware(args)
     settings = effective_settings(args)
     print("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
@@ -244,8 +250,11 @@ def run_train(args: argparse.Namespace) -> int:
                  device=device, data=data, val_data=val, metrics_path=args.metrics, checkpoint_dir=ckpt_dir,
                  checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                  resume=args.resume, on_nan=args.on_nan, pack=args.pack, settings=settings,
-                 allow_data_change=args.allow_data_change, host_policy=args.host_policy) as trainer:
+                 allow_data_change=args.allow_data_change, host_policy=args.host_policy, profile=profile,
+                 sim_threads=args.sim_threads) as trainer:
         p = trainer.plan
+        if trainer.profile_note:
+            print(trainer.profile_note)
         print(f"{p.ir.model}: {p.ir.params_total:,} params streamed through a {trainer.device.kind} device with "
               f"a {format_bytes(budget)} budget ({p.n_slots} parameter slot(s); planned device peak "
               f"{format_bytes(trainer.planned_peak_device_bytes)}; host {format_bytes(trainer.store.host_bytes())} "
