@@ -17,8 +17,9 @@ Run its tests: `.venv/bin/pytest tests/runtime/test_device.py` (the CUDA ones: `
   queue), blocked waits abort, and `synchronize()` raises DeviceError naming the op (its `__cause__` is the
   original error). A wait that no stream can ever satisfy is reported by `synchronize()` as a deadlock.
 - Worker threads have their own torch thread-local state (grad mode, inference mode, current CUDA stream):
-  submitted functions set what they need. Intra-op threads are left as torch sets them; on a small machine
-  (2 cores) four workers and torch's pool share the cores, which is fine for tests but not a benchmark.
+  submitted functions set what they need. On `sim` the compute worker takes the creating thread's intra-op
+  thread count and the copy and host workers one each (SimDevice, `sim_threads`); on oversubscribed cores
+  torch's OpenMP teams spin badly, so benchmarks there run with one intra-op thread (docs/RESULTS.md).
 """
 
 from __future__ import annotations
