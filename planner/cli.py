@@ -58,10 +58,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     r = subparsers.add_parser("probe", help="measure this machine and write a hardware profile",
                               description="Measure matmul throughput per dtype, host copy bandwidth, host AdamW "
-                              "throughput and, on CUDA, pinned host<->device bandwidth; print or write the profile.")
+                              "throughput and, on CUDA, pinned host<->device bandwidth; print or write the profile. "
+                              "With --model, also measure every op the plan of that model runs (each unit "
+                              "template's forward and backward at the micro-batch and dtype given, its loads and "
+                              "stores, its optimizer step, the per-instruction costs) on the device that runs it, "
+                              "and cache the profile: `train --hardware auto` plans with it from then on.")
     r.add_argument("--out", metavar="FILE", type=output_path, help="write the profile JSON here (use it with --hardware FILE)")
     r.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="what to measure (default auto)")
     r.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (seconds, less precise)")
+    r.add_argument("--model", type=input_path, help="also measure this model's units (a preset or config file)")
+    r.add_argument("--seq-len", type=int, default=None, help="with --model: tokens per sequence (required)")
+    r.add_argument("--micro-batch", type=int, default=1, help="with --model: sequences per micro-batch (default 1)")
+    r.add_argument("--dtype", default="bf16", help="with --model: compute dtype, bf16 or fp32 (default bf16)")
+    r.add_argument("--host-policy", metavar="LIST", default="exact",
+                   help="with --model: host policies whose optimizer step to time, comma-separated (default exact)")
+    r.add_argument("--repeats", type=int, default=7, help="with --model: timed rounds per op, median kept (default 7)")
+    r.add_argument("--sim-threads", type=int, default=None, metavar="N",
+                   help="with --model on cpu: intra-op threads of the sim device's compute stream, as `train "
+                   "--sim-threads` (default: torch's)")
+    r.add_argument("--no-cache", action="store_true", help="with --model: measure again even if a profile is "
+                   "cached, and do not write the cache")
     r.set_defaults(func=run_probe)
 
 
@@ -322,12 +338,61 @@ def run_tune(args: argparse.Namespace) -> int:
 def run_probe(args: argparse.Namespace) -> int:
     from .probe import probe
 
-    check_outputs({"--out": args.out})
-    hw = probe(device=args.device, quick=args.quick)
+    check_outputs({"--out": args.out}, {"--model": args.model if args.model and Path(args.model).exists() else None})
+    if args.model is None:
+        hw = probe(device=args.device, quick=args.quick)
+    else:
+        hw = _probe_model(args)
     if args.out:
         write_atomic(args.out, hw.to_json(indent=2) + "\n", "--out")
         print(f"{hw.describe()}\nwrote {args.out}")
-    else:
+    elif args.model is None:
         print(hw.to_json(indent=2))
     return 0
+
+
+def _probe_model(args: argparse.Namespace) -> Hardware:
+    """The machine's profile with the measured UnitProfile of --model (cached; see planner/profile.py)."""
+    import torch
+
+    from megatrain.runtime.unit_probe import cached_hardware, probe_hardware, probe_threads
+
+    from .display import format_units
+    from .host_policy import resolve
+    from .probe import probe
+
+    if args.seq_len is None or args.seq_len <= 0:
+        raise ValueError("probe --model needs --seq-len N (tokens per sequence, as the run will use)")
+    if args.micro_batch <= 0 or args.repeats <= 0:
+        raise ValueError("probe --model: --micro-batch and --repeats must be positive integers")
+    if args.sim_threads is not None and args.sim_threads <= 0:
+        raise ValueError(f"--sim-threads must be a positive integer, got {args.sim_threads}")
+    policies = [resolve(p).name for p in _split(args.host_policy, "--host-policy")]
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    kind = "sim" if device == "cpu" else "cuda"
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but torch sees no CUDA device; run on a GPU machine or use --device cpu")
+    args.grad_accum, args.clip_norm = 1, None  # the shape of a micro-batch is all a unit's ops depend on
+    train = _train(args, args.micro_batch)
+    from . import loading
+
+    ir = loading.trace_model(_model(args), train.micro_batch, train.seq_len, train.dtype, device)
+    threads = probe_threads(kind, args.sim_threads)
+    cached = None if args.no_cache else cached_hardware(ir, kind, threads)
+    if cached is not None and all(p in next(iter(cached.units.units.values())).optimizer_s for p in policies):
+        print(f"cached profile {cached.units.key} (measured {cached.units.measured_at}); --no-cache measures again")
+        print(format_units(cached.units), end="")
+        return cached
+    machine = probe(device=device, quick=True)
+    print(f"measuring {len(set(u.template for u in ir.units))} unit template(s) of {ir.model} on the {kind} device "
+          f"({args.repeats} rounds) ...", flush=True)
+    hw = probe_hardware(ir, machine, kind, cache=not args.no_cache, policies=policies, repeats=args.repeats,
+                        sim_threads=args.sim_threads)
+    print(format_units(hw.units), end="")
+    if not args.no_cache:
+        from .profile import cache_path
+
+        print(f"cached as {cache_path(hw.units.key)}: `megatrain train --hardware auto` plans with it")
+    return hw
+
 

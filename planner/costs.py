@@ -23,6 +23,13 @@ model both price ops here, so they agree on every figure. Try it:
   not memory, on a host with few cores), else host_memory_bytes_per_s; benchmarks/bench_host_optimizer.py
   compares each policy's measured step with this price;
 - clip_grads: combines per-parameter norms computed on the device (n_units x 1 us): no gradient is re-read.
+With a measured unit profile (`Hardware.units`, planner/profile.py, from `megatrain probe --model`) every op
+of a unit whose template it covers is priced from the measurement instead: forward without and with its
+graph, backward from the graph, the recompute and rebuild it adds, the norm pass, load, store, checkpoint
+offload and reload, the optimizer step under the policy (with or without a clip factor), and every
+instruction, record, wait and free included, costs the measured `dispatch_s` more; the estimator adds the
+measured event wake-up and step gap (estimate.py) and stretches ops that overlap another stream's work by the
+measured contention factors (contention.py). Units it does not cover keep the roofline.
 NOTE: copies and compute are assumed not to slow each other (HBM has headroom at these rates), nor the
 staging casts and the host optimizer, which share host DRAM (at most 6 B/param per load against the
 optimizer's 14-28); a probe on the target machine is what makes the rates themselves trustworthy.
@@ -35,6 +42,7 @@ from megatrain.ir.model_ir import ModelIR
 
 from .hardware import Hardware
 from .host_policy import POLICIES, HostPolicy, resolve
+from .profile import UnitProfile, matches
 from .transfers import copy_seconds
 
 ADAMW_BYTES = {p.name: p.traffic for p in POLICIES.values()}  # host bytes per parameter of one optimizer step
@@ -42,7 +50,7 @@ CAST_BYTES = 4 + 2  # per element staged for the link: read the fp32 master, wri
 
 
 class CostModel:
-    """Per-unit and per-op seconds for one (ModelIR, Hardware)."""
+    """Per-unit and per-op seconds for one (ModelIR, Hardware); `clip`: the optimizer steps with a clip factor."""
 
     def __init__(self, ir: ModelIR, hw: Hardware, policy: HostPolicy | str = "exact", clip: bool = False):
         self.ir, self.hw, self.policy = ir, hw, resolve(policy)
@@ -64,25 +72,60 @@ class CostModel:
         self.opt_rate = rate
         self.opt = [u.n_params * per_param / rate for u in ir.units]
         self.clip = len(ir.units) * 1e-6
+        self.fwd_graph, self.recompute, self.rebuild = list(self.fwd), list(self.fwd), list(self.fwd)
+        self.fwd_record, self.norm = list(self.fwd), [0.0] * len(ir.units)
+        self.dispatch_s = self.event_latency_s = self.step_gap_s = 0.0
+        self.contention: dict[str, dict[str, float]] = {}
+        self.measured = [False] * len(ir.units)
+        if hw.units is not None and matches(hw.units, ir):
+            self._measured(ir, hw.units, clip)
+
+    def _measured(self, ir: ModelIR, prof: UnitProfile, clip: bool) -> None:
+        """Price the units `prof` covers from its measurements."""
+        self.dispatch_s, self.event_latency_s, self.step_gap_s = prof.dispatch_s, prof.event_latency_s, prof.step_gap_s
+        self.contention = {s: dict(v) for s, v in prof.contention.items()}
+        for i, u in enumerate(ir.units):
+            t = prof.times_for(ir, u.template, tuple(s.shape for s in u.carry_in))
+            if t is None:
+                continue
+            self.measured[i] = True
+            self.fwd[i], self.fwd_graph[i], self.bwd[i] = t.forward_s, t.forward_graph_s, t.backward_s
+            self.recompute[i] = max(0.0, t.recompute_backward_s - t.backward_s)
+            if t.rebuild_backward_s is not None:
+                self.rebuild[i] = max(0.0, t.rebuild_backward_s - t.recompute_backward_s)
+                self.fwd_record[i] = t.forward_rebuild_s or t.forward_s
+            self.norm[i] = t.norm_s
+            self.load[i], self.store[i], self.offload[i], self.reload[i] = t.load_s, t.store_s, t.offload_s, t.reload_s
+            opt = (t.optimizer_clip_s if clip else t.optimizer_s).get(self.policy.name)
+            if opt is not None:  # a tied borrower owns fewer parameters than the unit measured
+                self.opt[i] = opt * (u.n_params / t.n_params if t.n_params else 1.0)
 
     def backward(self, i: int, keep: bool, rebuild: bool = False) -> float:
         """Backward of unit i for one micro-batch, with the recompute of its forward unless `keep`, and one
         more forward's worth to rebuild its carry-in when `rebuild` (its sub-layers run again)."""
-        return self.bwd[i] + (0.0 if keep else self.fwd[i]) + (self.fwd[i] if rebuild else 0.0)
+        return self.bwd[i] + (0.0 if keep else self.recompute[i]) + (self.rebuild[i] if rebuild else 0.0)
 
     def op_seconds(self, ins, sizes: dict[str, int] | None = None) -> float:
         """Seconds of one instruction (Instr or planner Op) on its stream."""
+        return self._work(ins, sizes) + self.dispatch_s
+
+    def _work(self, ins, sizes: dict[str, int] | None) -> float:
         op = ins.op
         if op == "forward":
-            return self.fwd[self.index[ins.unit]]
+            i = self.index[ins.unit]
+            return self.fwd_graph[i] if ins.keep_graph else self.fwd_record[i] if ins.rebuild else self.fwd[i]
         if op == "backward":
             keep = any(r.startswith("saved.") for r in ins.reads)
-            return self.backward(self.index[ins.unit], keep, ins.rebuild)
+            i = self.index[ins.unit]
+            return self.backward(i, keep, ins.rebuild) + (self.norm[i] if ins.norm else 0.0)
         if op == "load_params":
             return self.load[self.index[ins.unit]]
         if op == "store_grads":
             return self.store[self.index[ins.unit]]
         if op in ("offload_act", "load_act"):
+            i = self._carry_unit(ins.buffer)
+            if i is not None and self.measured[i]:
+                return self.offload[i] if op == "offload_act" else self.reload[i]
             nbytes = sizes[ins.buffer] if sizes is not None else 0
             bw = self.hw.d2h_bytes_per_s if op == "offload_act" else self.hw.h2d_bytes_per_s
             return copy_seconds(nbytes, bw, self.hw)
@@ -91,6 +134,12 @@ class CostModel:
         if op == "clip_grads":
             return self.clip
         return 0.0
+
+    def _carry_unit(self, buffer: str | None) -> int | None:
+        """The unit whose checkpoint `carry.{unit}.{mb}` is."""
+        if not buffer or not buffer.startswith("carry."):
+            return None
+        return self.index.get(buffer[len("carry."):].rsplit(".", 1)[0])
 
     def model_flops_per_step(self, n_micro: int) -> int:
         """FLOPs the model needs per step, recompute excluded (what MFU counts)."""

@@ -173,3 +173,26 @@ def format_plan(p: Plan, *, explain: bool = False, program: bool = False, timing
     if program:
         parts += ["", f"program ({len(p.program.instrs)} instructions):", str(p.program)]
     return "\n".join(parts) + "\n"
+
+
+def format_units(prof) -> str:
+    """A measured UnitProfile (planner/profile.py) as a table: milliseconds per op and template."""
+    table = Table(box=box.SIMPLE_HEAD, title=f"unit profile {prof.key}: {prof.model}, micro-batch {prof.micro_batch} "
+                  f"x seq {prof.seq_len}, {prof.dtype}, {prof.device} ({prof.device_name})")
+    cols = ("template", "fwd", "fwd+graph", "bwd (graph)", "bwd (recompute)", "load", "store", "offload", "reload",
+            "optimizer")
+    for c in cols:
+        table.add_column(c, justify="left" if c == "template" else "right")
+    for t in prof.units.values():
+        opt = ", ".join(f"{k} {_ms(v)}" for k, v in t.optimizer_s.items())
+        table.add_row(t.template, _ms(t.forward_s), _ms(t.forward_graph_s), _ms(t.backward_s),
+                      _ms(t.recompute_backward_s), _ms(t.load_s), _ms(t.store_s), _ms(t.offload_s), _ms(t.reload_s), opt)
+    worst = max(((s, t, f) for s, v in prof.contention.items() for t, f in v.items()), key=lambda x: x[2],
+                default=None)
+    tail = [f"milliseconds per micro-batch (median of {prof.repeats} rounds); per instruction {prof.dispatch_s * 1e6:.1f} "
+            f"us, a blocking cross-stream wait {prof.event_latency_s * 1e6:.1f} us, between steps "
+            f"{prof.step_gap_s * 1e6:.1f} us"]
+    if worst:
+        tail.append(f"streams slow each other: most, {worst[0]} while {worst[1]} is busy, x{worst[2]:.2f} "
+                    "(planner/contention.py)")
+    return render(table, width=130) + "".join(line + "\n" for line in tail)

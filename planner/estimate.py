@@ -26,6 +26,7 @@ import networkx as nx
 
 from megatrain.ir.program import Program
 
+from .contention import contended
 from .costs import CostModel
 
 RESOURCES = {"forward": "compute", "backward": "compute", "load_params": "h2d", "load_act": "h2d",
@@ -47,29 +48,41 @@ class Estimate:
     duration_s: tuple[float, ...]
 
 
-def instruction_dag(program: Program) -> nx.DiGraph:
+def instruction_dag(program: Program, event_latency: float = 0.0, step_gap: float = 0.0) -> nx.DiGraph:
     """The DAG of one step: node i is instruction i; edges are stream order and record -> wait, the
     latter with `delay=1` when the wait precedes its record (it waits for the previous step's record).
     Unrolled over steps (delay-1 edges joining consecutive steps) it is acyclic; within a step every
-    delay-0 edge points forward in program order."""
+    delay-0 edge points forward in program order. An edge's `latency` is seconds between its source's end
+    and its target's start: `event_latency` for a wait on another stream's record (the blocked worker's
+    wake-up), and `step_gap` from the last compute instruction of a step to the first instruction of every
+    stream in the next (the runtime issues a step once the previous step's compute has ended)."""
     records = {ins.event: i for i, ins in enumerate(program.instrs) if ins.op == "record"}
     g = nx.DiGraph()
     g.add_nodes_from(range(len(program.instrs)))
     last: dict[str, int] = {}
+    first: dict[str, int] = {}
     edges = []
     for i, ins in enumerate(program.instrs):
         prev = last.get(ins.stream)
         if prev is not None:
-            edges.append((prev, i, 0))
+            edges.append((prev, i, 0, 0.0))
         last[ins.stream] = i
+        first.setdefault(ins.stream, i)
         if ins.op == "wait":
             r = records.get(ins.event)
             if r is not None:
-                edges.append((r, i, 0 if r < i else 1))
+                lat = event_latency if program.instrs[r].stream != ins.stream else 0.0
+                edges.append((r, i, 0 if r < i else 1, lat))
     for stream, i in last.items():  # the stream carries on into the next step
-        first = next(k for k, ins in enumerate(program.instrs) if ins.stream == stream)
-        edges.append((i, first, 1))
-    g.add_weighted_edges_from(edges, weight="delay")
+        edges.append((i, first[stream], 1, 0.0))
+    if "compute" in last:
+        for f in first.values():  # the next step is issued once this step's compute has ended
+            edges.append((last["compute"], f, 1, step_gap))
+    for u, v, delay, lat in edges:
+        if g.has_edge(u, v) and g[u][v]["delay"] == delay:
+            g[u][v]["latency"] = max(g[u][v]["latency"], lat)
+        else:
+            g.add_edge(u, v, delay=delay, latency=lat)
     return g
 
 
@@ -79,17 +92,17 @@ def longest_paths(g: nx.DiGraph, durations: list[float], steps: int = STEPS) -> 
     n = g.number_of_nodes()
     finish = [0.0] * (steps * n)
     critical: list[int | None] = [None] * (steps * n)
-    preds = [[(p, d["delay"]) for p, d in g.pred[i].items()] for i in range(n)]
+    preds = [[(p, d["delay"], d.get("latency", 0.0)) for p, d in g.pred[i].items()] for i in range(n)]
     for c in range(steps):
         base = c * n
         for i in range(n):
             best, start = None, 0.0
-            for p, delay in preds[i]:
+            for p, delay, lat in preds[i]:
                 if delay and c == 0:
                     continue  # the step before the first is complete
                 src = base - delay * n + p
-                if best is None or finish[src] > start:
-                    best, start = src, finish[src]
+                if best is None or finish[src] + lat > start:
+                    best, start = src, finish[src] + lat
             critical[base + i] = best
             finish[base + i] = start + durations[i]
     return finish, critical
@@ -98,8 +111,11 @@ def longest_paths(g: nx.DiGraph, durations: list[float], steps: int = STEPS) -> 
 def estimate_time(program: Program, costs: CostModel) -> Estimate:
     sizes = {b.name: b.nbytes for b in program.buffers}
     durations = [costs.op_seconds(ins, sizes) for ins in program.instrs]
+    if costs.contention:
+        durations = contended(program.instrs, durations, costs)
     n = len(program.instrs)
-    finish, critical_pred = longest_paths(instruction_dag(program), durations)
+    finish, critical_pred = longest_paths(instruction_dag(program, costs.event_latency_s, costs.step_gap_s),
+                                          durations)
     ends = [max(finish[c * n:(c + 1) * n]) for c in range(STEPS)]
     lo, hi = ends[-2], ends[-1]
     step = hi - lo
@@ -123,25 +139,41 @@ def estimate_time(program: Program, costs: CostModel) -> Estimate:
                     duration_s=tuple(durations))
 
 
-def step_period(instrs, durations: list[float], steps: int = STEPS) -> tuple[float, float]:
+def step_period(instrs, durations: list[float], steps: int = STEPS, event_latency: float = 0.0,
+                step_gap: float = 0.0) -> tuple[float, float]:
     """(steady step, first step) by one pass in unrolled program order, which is a topological order of
     the DAG above: the same finish times as `estimate_time`, without building a graph. For searches."""
+    finish = unrolled_finish(instrs, durations, steps, event_latency, step_gap)
+    ends = [max(fc) for fc in finish]
+    return ends[-1] - ends[-2], ends[0]
+
+
+def unrolled_finish(instrs, durations: list[float], steps: int = STEPS, event_latency: float = 0.0,
+                    step_gap: float = 0.0) -> list[list[float]]:
+    """Finish time of every instruction of every unrolled step, by one pass in program order (the DAG's
+    semantics: stream order, record -> wait with `event_latency` across streams, and each step issued
+    `step_gap` after the previous step's last compute instruction)."""
     records = {ins.event: i for i, ins in enumerate(instrs) if ins.op == "record"}
     n = len(instrs)
     finish = [[0.0] * n for _ in range(steps)]
     last: dict[str, float] = {}
-    ends = []
+    last_compute = max((i for i, ins in enumerate(instrs) if ins.stream == "compute"), default=None)
     for c in range(steps):
         fc = finish[c]
+        issued = finish[c - 1][last_compute] + step_gap if c and last_compute is not None else 0.0
+        seen: set[str] = set()
         for i, ins in enumerate(instrs):
             start = last.get(ins.stream, 0.0)
+            if ins.stream not in seen:
+                seen.add(ins.stream)
+                start = max(start, issued)
             if ins.op == "wait":
                 r = records.get(ins.event)
+                lat = event_latency if r is not None and instrs[r].stream != ins.stream else 0.0
                 if r is not None and r < i:
-                    start = max(start, fc[r])
+                    start = max(start, fc[r] + lat)
                 elif r is not None and c > 0:
-                    start = max(start, finish[c - 1][r])
+                    start = max(start, finish[c - 1][r] + lat)
             fc[i] = start + durations[i]
             last[ins.stream] = fc[i]
-        ends.append(max(fc))
-    return ends[-1] - ends[-2], ends[0]
+    return finish

@@ -30,6 +30,7 @@ from megatrain.files import read_json
 from megatrain.ir.base import IRModel
 
 from .bytesize import format_bytes
+from .profile import UnitProfile
 
 GiB = 2**30
 MATMUL_EFFICIENCY = 0.75
@@ -82,6 +83,9 @@ class Hardware(IRModel):
     host_sockets: int = Field(1, ge=1, le=64, description="CPU sockets of a node: ranks on different sockets "
                               "step their host optimizers on separate DRAM (host_memory_bytes_per_s is one's)")
     source: str = Field("", description="where the figures come from")
+    units: UnitProfile | None = Field(None, description="measured op costs of one model shape on this device "
+                                      "(`megatrain probe --model`, planner/profile.py): the cost model prices "
+                                      "the units it covers from them instead of the rates above")
 
     @field_validator("matmul_flops", "peak_flops", mode="before")
     @classmethod

@@ -78,7 +78,7 @@ class _Model:
         self.tail = c.store[0] + c.opt[0] + c.load[0]
         self.opt = sum(c.opt)
         self.clip_s = c.clip if clip else 0.0
-        self.rec = [K * f for f in c.fwd]
+        self.rec = [K * f for f in c.recompute]
         self.off = [K * o for o in c.offload]
         self.on = [K * r for r in c.reload]
 

@@ -84,6 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a collective may wait for the other ranks before the run stops "
                    "with an error naming the rank (a rank that dies is named within a tenth of it; default 600)")
+    t.add_argument("--sim-threads", type=int, default=None, metavar="N",
+                   help="the sim device's compute stream computes with N intra-op threads (default: torch's; the "
+                   "copy and host streams take one each); a probe is specific to it")
     t.add_argument("--on-nan", choices=("abort", "skip"), default="abort",
                    help="a NaN/inf loss or gradient: abort (default: stop, keep the last checkpoint) or skip "
                    "(apply no update for that step, log it, go on)")
@@ -138,7 +141,8 @@ def _data_paths(args) -> tuple[str, str | None]:
 
 def _device_and_hardware(args) -> tuple[str, object]:
     """Resolve --device auto and --hardware auto: the sim device plans with the `cpu` profile, a GPU with the
-    preset its name matches, else the user is asked for a measured profile (planner.hardware_for_device)."""
+    preset its name matches, else the user is asked for a measured profile (planner.hardware_for_device); with
+    auto the Trainer also looks for a cached `probe --model` profile (`args.profile`)."""
     import torch
 
     from megatrain.planner.hardware import hardware_for_device
@@ -146,6 +150,8 @@ def _device_and_hardware(args) -> tuple[str, object]:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "sim"
+    # auto also plans with a cached probe of this machine's units when one exists (runtime/unit_probe.py)
+    args.profile = "auto" if args.hardware == "auto" else "off"
     if args.hardware == "auto":
         args.hardware = hardware_for_device(device).name  # a preset name: --host-mem still applies below
     return device, _hardware(args)
@@ -262,6 +268,8 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
     if ckpt_dir and args.checkpoint_every:
         _check_checkpoint_dir(ckpt_dir, inputs)
         writable_dir(ckpt_dir, "--checkpoint-dir")
+    _need(args.sim_threads is None or args.sim_threads > 0,
+          f"--sim-threads must be a positive integer, got {args.sim_threads}")
     settings = effective_settings(args)
     say("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
     model = _model(args)  # a model folder is passed as the folder: the Trainer loads its weights
@@ -269,8 +277,11 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
                  device=device, data=data, val_data=val, metrics_path=args.metrics, checkpoint_dir=ckpt_dir,
                  checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                  resume=args.resume, on_nan=args.on_nan, pack=args.pack, settings=settings,
-                 allow_data_change=args.allow_data_change, host_policy=args.host_policy, comm=comm) as trainer:
+                 allow_data_change=args.allow_data_change, host_policy=args.host_policy, comm=comm,
+                 profile=args.profile, sim_threads=args.sim_threads) as trainer:
         p = trainer.plan
+        if trainer.profile_note:
+            say(trainer.profile_note)
         if comm is not None:
             say(f"{p.world}: each streams the model on its {p.program.n_micro_batches} of the step's "
                 f"{p.train.grad_accum} micro-batch(es) and holds 1/{comm.size} of the model state (host "

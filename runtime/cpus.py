@@ -93,9 +93,13 @@ def thread_budget(kind: str, n_cores: int, host_threads: int | None = None) -> d
 
 
 def resolve(kind: str, gpu_index: int | None = None, sysfs: str | Path = "/sys", bind: bool | None = None,
-            host_threads: int | None = None) -> CpuBudget:
+            host_threads: int | None = None, sim_threads: int | None = None) -> CpuBudget:
     """The budget of a device of `kind`; on cuda with `bind` (default: unless MEGATRAIN_NUMA_BIND=0) every
-    thread of the process is moved to the GPU's NUMA node's cores (those of them it may use)."""
+    thread of the process is moved to the GPU's NUMA node's cores (those of them it may use). On sim,
+    `sim_threads` replaces the constructing thread's count as the compute worker's (`train --sim-threads`; the
+    streamed run then reduces as eager code on that many threads would)."""
+    if sim_threads is not None and (not isinstance(sim_threads, int) or sim_threads < 1):
+        raise ValueError(f"sim threads must be a positive integer, got {sim_threads!r}")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
     node = None
     if bind is None:
@@ -119,7 +123,7 @@ def resolve(kind: str, gpu_index: int | None = None, sysfs: str | Path = "/sys",
     else:
         import torch
 
-        n_threads = torch.get_num_threads()
+        n_threads = sim_threads or torch.get_num_threads()
     return CpuBudget(tuple(cores), thread_budget(kind, n_threads, host_threads), node)
 
 

@@ -112,34 +112,57 @@ class MemoryPool:
 
 
 class _EventTable:
-    """The latest recorded step of each event name; waiters block until it reaches theirs, or abort."""
+    """The latest recorded step of each event name; waiters block until it reaches theirs, or abort.
+
+    Each waiter sleeps on its own threading.Event, woken only by a record of its event (or an abort): one
+    shared condition would wake every blocked stream at every record, and their wake-ups compete with the
+    compute stream's Python for the interpreter lock."""
 
     def __init__(self):
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
         self._latest: dict[str, int] = {}
+        self._waiters: dict[str, list[tuple[int, threading.Event]]] = {}
         self._aborted = False
 
     def mark(self, name: str, step: int) -> None:
-        with self._cond:
+        with self._lock:
             if step > self._latest.get(name, step - 1):
                 self._latest[name] = step
-            self._cond.notify_all()
+            waiters = self._waiters.get(name)
+            if waiters:
+                latest = self._latest[name]
+                for s, ev in waiters:
+                    if s <= latest:
+                        ev.set()
+                self._waiters[name] = [(s, ev) for s, ev in waiters if s > latest]
 
     def done(self, name: str, step: int) -> bool:
-        with self._cond:
+        with self._lock:
             return name in self._latest and self._latest[name] >= step
 
     def wait_for(self, name: str, step: int) -> None:
-        with self._cond:
-            while not (name in self._latest and self._latest[name] >= step):
-                if self._aborted:
-                    raise _Aborted
-                self._cond.wait(0.5)  # NOTE: abort() notifies; the timeout is only a safety net
+        with self._lock:
+            if name in self._latest and self._latest[name] >= step:
+                return
+            if self._aborted:
+                raise _Aborted
+            ev = threading.Event()
+            self._waiters.setdefault(name, []).append((step, ev))
+        while not ev.wait(0.5):  # NOTE: mark() and abort() set it; the timeout is only a safety net
+            if self.done(name, step):
+                return
+            if self._aborted:
+                raise _Aborted
+        if self._aborted and not self.done(name, step):
+            raise _Aborted
 
     def abort(self) -> None:
-        with self._cond:
+        with self._lock:
             self._aborted = True
-            self._cond.notify_all()
+            for waiters in self._waiters.values():
+                for _, ev in waiters:
+                    ev.set()
+            self._waiters.clear()
 
 
 class Device:
@@ -450,6 +473,7 @@ class SimDevice(Device):
 
     `delays=(lo, hi)` sleeps a uniform random time in seconds before each queued op, record and wait, drawn
     from a generator per stream seeded from `seed`, so a missing wait shows up as a wrong result in tests.
+    `cpu`: the intra-op threads of each stream worker (cpus.py; default `cpus.resolve("sim")`).
     """
 
     kind = "sim"

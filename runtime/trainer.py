@@ -60,6 +60,7 @@ from megatrain.planner.bytesize import format_bytes
 from megatrain.planner.hardware import hardware_for_device
 
 from . import checkpoint
+from .cpus import resolve as resolve_cpus
 from .data import Batcher, DataError, TokenFile, eval_batches
 from .device import Device, make_device
 from .engine import Engine, evaluate
@@ -148,7 +149,8 @@ class Trainer:
                  loss_chunk: int = 1024, the_plan: Plan | None = None, checkpoint_dir: str | Path | None = None,
                  checkpoint_every: int = 0, keep_checkpoints: int | None = 3, resume: str | Path | None = None,
                  on_nan: str = "abort", settings: dict | None = None, pack: bool | None = None,
-                 allow_data_change: bool = False, host_policy: str = "auto", comm=None):
+                 allow_data_change: bool = False, host_policy: str = "auto", comm=None, profile: str = "off",
+                 sim_threads: int | None = None):
         if on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
         if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
@@ -167,6 +169,11 @@ class Trainer:
         # "auto": the profile of the device that runs it (the cpu preset for sim, the GPU's preset on cuda)
         self.hardware = (hardware_for_device(device) if hardware == "auto" else
                          hardware_preset(hardware) if isinstance(hardware, str) else hardware)
+        if profile not in ("off", "auto"):
+            raise ValueError(f"profile must be 'auto' (plan with a cached probe of this machine when one exists) "
+                             f"or 'off', got {profile!r}")
+        self.profile = profile
+        self.profile_note = ""  # how the plan's op costs were obtained (the CLI prints it)
         # Cheap checks first: a bad data file or checkpoint is reported before anything big is allocated.
         self.data = self._open_data(data) if data else None
         self.val_data = self._open_data(val_data) if val_data else None
@@ -208,6 +215,8 @@ class Trainer:
             kw = {"delays": delays} if delays and device == "sim" else {}
             if comm is not None and device == "cuda":
                 kw["index"] = comm.local_rank
+            if sim_threads is not None and (device == "sim" or device == "auto" and not torch.cuda.is_available()):
+                kw["cpu"] = resolve_cpus("sim", sim_threads=sim_threads)
             self.device = make_device(device, budget_bytes=gpu_budget_bytes, **kw)
             self._build(the_plan, gpu_budget_bytes, loss_chunk, resume is None and self.weights is None)
             if self.weights is not None:
@@ -244,6 +253,7 @@ class Trainer:
         if the_plan is None:
             ir = trace(self.config, train.micro_batch, train.seq_len, train.dtype, loss_chunk=loss_chunk,
                        target="cpu" if self.device.kind == "sim" else "cuda", packed=self.pack)
+            self.hardware = self._profiled(ir, loss_chunk)
             barrier = self.on_nan == "skip" and train.clip_norm is None
             # NOTE: clip_norm here only shapes the program (a clip_grads barrier before the host optimizer);
             # the store clips with self.train, i.e. not at all, and the plan records self.train.
@@ -280,6 +290,29 @@ class Trainer:
                              comm=self.comm)
         if self._pause and self._pause[0] == "optimizer":
             self._pause_optimizer(self._pause[1])
+
+    def _profiled(self, ir, loss_chunk: int):
+        """The hardware to plan with: with profile="auto", this machine's cached probe of the model's units
+        (runtime/unit_probe.py) when one exists, its sizes those of the profile given; else the profile given.
+        Only the plan's speed depends on it: any schedule trains to the same bits."""
+        if self.profile != "auto":
+            return self.hardware
+        from .unit_probe import cached_hardware
+
+        cached = cached_hardware(ir, self.device.kind, dict(self.device.cpu.threads) if self.device.kind == "sim" else {},
+                                 loss_chunk)
+        if cached is None:
+            self.profile_note = (f"planned with the {self.hardware.name} profile: no probe of {ir.model} at this "
+                                 f"micro-batch, sequence length and dtype is cached for this machine; `megatrain "
+                                 f"probe --model ...` with the same settings measures one")
+            return self.hardware
+        from megatrain.planner.profile import cache_path
+
+        self.profile_note = (f"planned with the probe of this machine measured {cached.units.measured_at}, cached "
+                             f"as {cache_path(cached.units.key)} (name a preset with --hardware to plan without it)")
+        # NOTE: a probe measures speeds; the sizes stay those of the hardware given (its --host-mem, a GPU's memory)
+        return cached.replace(host_memory_bytes=self.hardware.host_memory_bytes,
+                              gpu_memory_bytes=self.hardware.gpu_memory_bytes)
 
     # -- host memory, checkpoints, resume ----------------------------------------------------------------------
     def _world(self):

@@ -18,3 +18,13 @@ def pytest_configure(config):
     reason = cuda_run_without_a_gpu(config.getoption("markexpr") or "", dict(os.environ))
     if reason:
         raise pytest.UsageError(reason)
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path_factory, monkeypatch):
+    """The default corpus and cached probes live under $MEGATRAIN_CACHE (default ~/.cache/megatrain): tests get
+    one cache folder of their own per session (the corpus is built once), never the user's, and write nothing
+    outside their temp folders; `train --hardware auto` never sees a probe of the user's."""
+    monkeypatch.delenv("MEGATRAIN_PROFILES", raising=False)
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path_factory.getbasetemp() / "megatrain-cache"))
+    yield

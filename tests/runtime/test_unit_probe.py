@@ -1,0 +1,66 @@
+"""The unit probe (runtime/unit_probe.py): it measures every template's ops through the engine on the sim
+device, caches the profile under its key, and a Trainer with profile="auto" plans with it; the CLI's
+`probe --model` prints it and then reads it back from the cache. No timing is asserted, only that every
+figure is measured (positive where an op does work) and used."""
+
+import pytest
+
+from megatrain.ir.trace import trace
+from megatrain.models import preset
+from megatrain.planner import TrainSpec, hardware_preset
+from megatrain.planner.costs import CostModel
+from megatrain.runtime.trainer import Trainer
+from megatrain.runtime.unit_probe import cached_hardware, probe_hardware, probe_threads
+
+SPEC = TrainSpec(micro_batch=1, seq_len=16, dtype="fp32", lr=1e-3, total_steps=10)
+
+
+@pytest.fixture
+def profiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_PROFILES", str(tmp_path))
+    return tmp_path
+
+
+def test_probe_measures_every_template_and_trainer_uses_the_cache(profiles):
+    ir = trace(preset("tiny"), 1, 16, "fp32", target="cpu")
+    assert cached_hardware(ir, "sim", probe_threads("sim")) is None
+    hw = probe_hardware(ir, hardware_preset("cpu"), "sim", repeats=1, measure_contention=False)
+    prof = hw.units
+    assert set(prof.units) == {u.template for u in ir.units}
+    for t in prof.units.values():
+        assert min(t.forward_s, t.forward_graph_s, t.backward_s, t.recompute_backward_s, t.load_s, t.store_s) > 0
+        assert t.optimizer_s["exact"] > 0 and t.n_params > 0
+    assert prof.dispatch_s > 0 and prof.step_gap_s >= 0
+    assert cached_hardware(ir, "sim", probe_threads("sim")) == hw
+    assert cached_hardware(ir, "sim", {"compute": 99}) is None  # another thread setting: another key
+    with Trainer("tiny", SPEC, 6 << 20, device="sim", profile="auto") as tr:
+        assert tr.plan.hardware.units == prof and str(profiles) in tr.profile_note
+        assert all(CostModel(tr.plan.ir, tr.plan.hardware, tr.plan.host_policy).measured)
+    given = hardware_preset("cpu").replace(host_memory_bytes=5 << 30)
+    with Trainer("tiny", SPEC, 6 << 20, hardware=given, device="sim", profile="auto") as tr:
+        assert tr.plan.hardware.units == prof  # the probe's speeds, the sizes given (--host-mem)
+        assert tr.plan.hardware.host_memory_bytes == 5 << 30
+    with Trainer("tiny", SPEC, 6 << 20, device="sim") as tr:  # profile="off": the preset, as given
+        assert tr.plan.hardware.units is None
+
+
+def test_probe_cli_caches_and_reuses(profiles, capsys):
+    from megatrain.cli import main
+
+    args = ["probe", "--device", "cpu", "--model", "tiny", "--seq-len", "16", "--micro-batch", "1", "--dtype",
+            "fp32", "--repeats", "1"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "unit profile" in out and "cached as" in out
+    assert len(list(profiles.glob("hardware-*.json"))) == 1
+    assert main(args) == 0
+    assert "cached profile" in capsys.readouterr().out
+    assert main(["probe", "--device", "cpu", "--model", "tiny", "--micro-batch", "1"]) == 2  # no --seq-len
+    assert "--seq-len" in capsys.readouterr().err
+    train = ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "16", "--micro-batch",
+             "1", "--dtype", "fp32", "--steps", "1", "--eval-every", "0"]
+    assert main(train) == 0  # --hardware auto (the default): the cached probe, named
+    out = capsys.readouterr().out
+    assert "planned with the probe of this machine" in out and str(profiles) in out
+    assert main([*train, "--hardware", "cpu"]) == 0  # a preset named: the probe is not used
+    assert "planned with the probe" not in capsys.readouterr().out
