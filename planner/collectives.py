@@ -135,12 +135,12 @@ class WorldCostModel(CostModel):
                        for u in ir.units]
         self.clip += hw.collective_latency_s  # the squared norms' all-reduce: a few bytes
 
-    def op_seconds(self, ins, sizes: dict[str, int] | None = None) -> float:
+    def op_seconds(self, ins, sizes: dict[str, int] | None = None, warm: bool = False) -> float:
         if ins.op == "all_gather":
             return self.gather[self.index[ins.unit]]
         if ins.op in ("reduce_scatter", "all_reduce"):
             return self.reduce[self.index[ins.unit]]
-        return super().op_seconds(ins, sizes)
+        return super().op_seconds(ins, sizes, warm)
 
 
 def cost_model(ir: ModelIR, hw: Hardware, policy: HostPolicy | str, clip: bool, world: World | None) -> CostModel:

@@ -77,6 +77,9 @@ class CostModel:
         self.dispatch_s = self.event_latency_s = self.step_gap_s = 0.0
         self.contention: dict[str, dict[str, float]] = {}
         self.measured = [False] * len(ir.units)
+        # a forward or backward right after one of the same unit (a layer-major pass's later micro-batches)
+        # runs with its weights in cache: measured, this fraction of the first's time
+        self.warm_fwd, self.warm_bwd = [1.0] * len(ir.units), [1.0] * len(ir.units)
         if hw.units is not None and matches(hw.units, ir):
             self._measured(ir, hw.units, clip)
 
@@ -95,6 +98,10 @@ class CostModel:
                 self.rebuild[i] = max(0.0, t.rebuild_backward_s - t.recompute_backward_s)
                 self.fwd_record[i] = t.forward_rebuild_s or t.forward_s
             self.norm[i] = t.norm_s
+            if t.forward_warm_s is not None and t.forward_s > 0:
+                self.warm_fwd[i] = min(1.0, t.forward_warm_s / t.forward_s)
+            if t.recompute_backward_warm_s is not None and t.recompute_backward_s > 0:
+                self.warm_bwd[i] = min(1.0, t.recompute_backward_warm_s / t.recompute_backward_s)
             self.load[i], self.store[i], self.offload[i], self.reload[i] = t.load_s, t.store_s, t.offload_s, t.reload_s
             opt = (t.optimizer_clip_s if clip else t.optimizer_s).get(self.policy.name)
             if opt is not None:  # a tied borrower owns fewer parameters than the unit measured
@@ -105,19 +112,22 @@ class CostModel:
         more forward's worth to rebuild its carry-in when `rebuild` (its sub-layers run again)."""
         return self.bwd[i] + (0.0 if keep else self.recompute[i]) + (self.rebuild[i] if rebuild else 0.0)
 
-    def op_seconds(self, ins, sizes: dict[str, int] | None = None) -> float:
-        """Seconds of one instruction (Instr or planner Op) on its stream."""
-        return self._work(ins, sizes) + self.dispatch_s
+    def op_seconds(self, ins, sizes: dict[str, int] | None = None, warm: bool = False) -> float:
+        """Seconds of one instruction (Instr or planner Op) on its stream; `warm`: a forward or backward that
+        directly follows one of the same unit on the compute stream (`warm_flags`)."""
+        return self._work(ins, sizes, warm) + self.dispatch_s
 
-    def _work(self, ins, sizes: dict[str, int] | None) -> float:
+    def _work(self, ins, sizes: dict[str, int] | None, warm: bool = False) -> float:
         op = ins.op
         if op == "forward":
             i = self.index[ins.unit]
-            return self.fwd_graph[i] if ins.keep_graph else self.fwd_record[i] if ins.rebuild else self.fwd[i]
+            t = self.fwd_graph[i] if ins.keep_graph else self.fwd_record[i] if ins.rebuild else self.fwd[i]
+            return t * self.warm_fwd[i] if warm else t
         if op == "backward":
             keep = any(r.startswith("saved.") for r in ins.reads)
             i = self.index[ins.unit]
-            return self.backward(i, keep, ins.rebuild) + (self.norm[i] if ins.norm else 0.0)
+            t = self.backward(i, keep, ins.rebuild) + (self.norm[i] if ins.norm else 0.0)
+            return t * self.warm_bwd[i] if warm else t
         if op == "load_params":
             return self.load[self.index[ins.unit]]
         if op == "store_grads":
@@ -134,6 +144,18 @@ class CostModel:
         if op == "clip_grads":
             return self.clip
         return 0.0
+
+    @staticmethod
+    def warm_flags(instrs) -> list[bool]:
+        """Per instruction: a forward or backward whose previous forward/backward on the compute stream was
+        the same op of the same unit (so its weights are in cache)."""
+        out, last = [], None
+        for ins in instrs:
+            cur = (ins.op, ins.unit) if ins.op in ("forward", "backward") else None
+            out.append(cur is not None and cur == last)
+            if cur is not None:
+                last = cur
+        return out
 
     def _carry_unit(self, buffer: str | None) -> int | None:
         """The unit whose checkpoint `carry.{unit}.{mb}` is."""

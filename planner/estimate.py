@@ -110,7 +110,8 @@ def longest_paths(g: nx.DiGraph, durations: list[float], steps: int = STEPS) -> 
 
 def estimate_time(program: Program, costs: CostModel) -> Estimate:
     sizes = {b.name: b.nbytes for b in program.buffers}
-    durations = [costs.op_seconds(ins, sizes) for ins in program.instrs]
+    warm = costs.warm_flags(program.instrs)
+    durations = [costs.op_seconds(ins, sizes, w) for ins, w in zip(program.instrs, warm)]
     if costs.contention:
         durations = contended(program.instrs, durations, costs)
     n = len(program.instrs)

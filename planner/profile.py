@@ -36,7 +36,7 @@ from megatrain.files import read_json, write_atomic
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: warm repeats of forward and recompute-backward
 MAX_PROFILE_BYTES = 4 << 20
 
 
@@ -47,9 +47,12 @@ class UnitTimes(IRModel):
     carry_in: tuple[tuple[int, ...], ...] = Field(description="carry-in shapes it was measured with")
     n_params: int = Field(ge=0, description="parameters the measured unit owns (its optimizer step's size)")
     forward_s: float = Field(ge=0, description="forward without autograd (checkpoint on device or host)")
+    forward_warm_s: float | None = Field(None, ge=0, description="forward again right after one of its own: "
+                                         "a later micro-batch of a layer-major pass, weights in cache")
     forward_graph_s: float = Field(ge=0, description="forward keeping its autograd graph (`keep_graph`)")
     backward_s: float = Field(ge=0, description="backward from the kept graph, gradients written")
     recompute_backward_s: float = Field(ge=0, description="backward recomputing the forward from the checkpoint")
+    recompute_backward_warm_s: float | None = Field(None, ge=0, description="the same right after one of its own")
     forward_rebuild_s: float | None = Field(None, ge=0, description="forward recording what a rebuild needs")
     rebuild_backward_s: float | None = Field(None, ge=0, description="backward rebuilding its carry-in first")
     norm_s: float = Field(ge=0, description="what `norm` (per-parameter gradient norms) adds to a backward")

@@ -141,11 +141,14 @@ def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, obj
         return [("free", lambda n=n: e.free(0, n)) for n in names]
 
     ops = [("forward_s", lambda: e.forward(0, name, 0, 0)), *free(*([nxt] if out_carry else [])),
+           ("forward_warm_s", lambda: e.forward(0, name, 0, 0)), *free(*([nxt] if out_carry else [])),
            ("forward_graph_s", lambda: e.forward(0, name, 0, 0, keep_graph=True)),
            *free(*([nxt] if out_carry else [])),
            ("backward_s", lambda: e.backward(0, name, 0, 0, 0)),
            *free(f"saved.{name}.0", *([dc] if u.kind != "embed" else [])),
            ("recompute_backward_s", lambda: e.backward(0, name, 0, 0, 0)),
+           *free(*([dc] if u.kind != "embed" else [])),
+           ("recompute_backward_warm_s", lambda: e.backward(0, name, 0, 0, 0)),
            *free(*([dc] if u.kind != "embed" else [])),
            ("norm_backward", lambda: e.backward(0, name, 0, 0, 0, norm=True)),
            *free(*([dc] if u.kind != "embed" else []))]
@@ -343,6 +346,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
         units[u.template] = UnitTimes(
             template=u.template, carry_in=tuple(s.shape for s in u.carry_in), n_params=u.n_params,
             forward_s=med["forward_s"], forward_graph_s=med["forward_graph_s"], backward_s=med["backward_s"],
+            forward_warm_s=med["forward_warm_s"], recompute_backward_warm_s=med["recompute_backward_warm_s"],
             recompute_backward_s=med["recompute_backward_s"], forward_rebuild_s=med.get("forward_rebuild_s"),
             rebuild_backward_s=med.get("rebuild_backward_s"),
             norm_s=max(0.0, med["norm_backward"] - med["recompute_backward_s"]),

@@ -27,6 +27,7 @@ def synthetic_profile(ir, *, scale: float = 1.0, contention=None, dispatch=2e-5)
         units[u.template] = pr.UnitTimes(
             template=u.template, carry_in=tuple(s.shape for s in u.carry_in), n_params=u.n_params, forward_s=f,
             forward_graph_s=1.1 * f, backward_s=2 * f, recompute_backward_s=3.2 * f, norm_s=0.1 * f,
+            forward_warm_s=0.8 * f, recompute_backward_warm_s=0.5 * 3.2 * f,
             load_s=0.5 * f, store_s=0.6 * f, offload_s=0.05 * f, reload_s=0.04 * f,
             optimizer_s={"exact": 0.7 * f}, optimizer_clip_s={"exact": 0.8 * f})
     fields = dict(device="sim", device_name="test cpu", torch="0", config_sha=pr.config_sha(ir.config),
@@ -118,3 +119,30 @@ def test_contention_only_stretches(tiny):
     assert estimate_time(p.program, CostModel(tiny, neutral)).step_time_s == pytest.approx(t_alone, rel=1e-9)
     t_busy = estimate_time(p.program, CostModel(tiny, busy)).step_time_s
     assert t_alone < t_busy <= 2.5 * t_alone * (1 + 1e-9)  # at most 1 + 3 x 0.5: every other stream busy
+
+
+def test_later_micro_batches_of_a_unit_are_priced_warm(tiny):
+    """A forward or backward right after one of the same unit (a layer-major pass's later micro-batches) costs
+    the profile's warm fraction; the first of each unit, and every op of a 1-micro-batch step, the cold time."""
+    hw = hardware_preset("cpu").replace(units=synthetic_profile(tiny))
+    c = CostModel(tiny, hw)
+    assert c.warm_fwd == [pytest.approx(0.8)] * len(tiny.units) and c.warm_bwd == [pytest.approx(0.5)] * len(tiny.units)
+    for accum in (1, 4):
+        p = plan(tiny, hw, TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", grad_accum=accum), "64MiB")
+        instrs = p.program.instrs
+        flags = CostModel.warm_flags(instrs)
+        work = [(k, ins) for k, ins in enumerate(instrs) if ins.op in ("forward", "backward")]
+        assert sum(flags) == len(work) - len({(ins.op, ins.unit) for _, ins in work})  # all but each unit's first
+        for (k, ins), (_, prev) in zip(work[1:], work):
+            assert flags[k] == ((ins.op, ins.unit) == (prev.op, prev.unit))
+            cold = c.op_seconds(ins, None) - c.dispatch_s
+            warm = c.warm_fwd if ins.op == "forward" else c.warm_bwd
+            want = cold * warm[c.index[ins.unit]] if flags[k] else cold
+            assert c.op_seconds(ins, None, flags[k]) - c.dispatch_s == pytest.approx(want)
+        if accum == 1:
+            assert not any(flags)
+    old = synthetic_profile(tiny)  # a profile without warm repeats prices every op cold
+    for t in old.units.values():
+        object.__setattr__(t, "forward_warm_s", None)
+        object.__setattr__(t, "recompute_backward_warm_s", None)
+    assert CostModel(tiny, hardware_preset("cpu").replace(units=old)).warm_fwd == [1.0] * len(tiny.units)
