@@ -48,6 +48,9 @@ from .device import Device, make_device
 from .engine import Engine
 from .store import HostStore
 
+# NOTE: rounds dropped before the timed ones; with one, consecutive probes of a model in one process differed
+# by up to 30% per op on the 2-core test VM, with three to four by under 10% (docs/RESULTS.md, issue 20)
+WARMUP_ROUNDS = 3
 NEXT = "probe-next"  # the name of the (absent) unit after the one probed: its carry-in is the forward's output
 
 
@@ -312,7 +315,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
             device.synchronize()
             engines.append(e)
         samples: list[dict[str, list[float]]] = [{} for _ in engines]
-        for r in range(repeats + 1):  # the first round warms up (allocator, kernels, lazy inits)
+        for r in range(repeats + WARMUP_ROUNDS):  # the first ones warm up (allocator, kernels, lazy inits)
             for e, got in zip(engines, samples):
                 e.timeline, e._t0, e._t0_event = [], time.perf_counter(), None
                 if device.kind == "cuda":
@@ -323,7 +326,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
                     before = len(e.timeline)
                     _run_op(e, what, submit)
                     kinds += [what] * (len(e.timeline) - before)
-                if r:
+                if r >= WARMUP_ROUNDS:
                     for what, span in zip(kinds, e.measured_spans()):
                         got.setdefault(what, []).append(span[4] - span[3])
                 e.timeline = None
