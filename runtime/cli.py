@@ -302,6 +302,10 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
             say(f"resumed from {trainer.resumed_from} at step {trainer.step} of {args.steps}{note}")
             if trainer.step >= args.steps:
                 say(f"nothing left to train: the checkpoint is at step {trainer.step} of --steps {args.steps}")
+                unwritten = [flag for flag, path in (("--trace", args.trace), ("--plot", args.plot)) if path]
+                if unwritten:
+                    say(f"{' and '.join(unwritten)} not written: they draw the steps this run takes, and it takes "
+                        "none; raise --steps")
                 return 0
         if args.trace or args.plot:
             trainer.engine.start_timeline()

@@ -248,3 +248,15 @@ def test_plan_and_tune_write_their_pictures(tmp_path, capsys):
     assert main(["tune", *TINY, "--gpu-mem", "100KiB,6MiB", "--micro-batch", "1,2", "--plot",
                  str(tmp_path / "deep" / "t.png")]) == 0
     assert (tmp_path / "deep" / "t.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_a_resume_with_no_steps_left_says_the_plot_is_not_written(tmp_path, capsys):
+    ckpt = tmp_path / "ck"
+    run = ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "16", "--micro-batch",
+           "1", "--dtype", "fp32", "--steps", "1", "--eval-every", "0", "--hardware", "cpu", "--no-progress"]
+    assert main([*run, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"]) == 0
+    capsys.readouterr()
+    assert main([*run, "--resume", str(ckpt), "--plot", str(tmp_path / "r.svg")]) == 0
+    out = capsys.readouterr().out
+    assert "nothing left to train" in out and "--plot not written" in out and "raise --steps" in out
+    assert not (tmp_path / "r.svg").exists()
