@@ -82,8 +82,8 @@ class HF:
 
 
 class Streamed:
-    def __init__(self, model: str, budget: int):
-        self.trainer = Trainer(model, SPEC, budget, device="sim")
+    def __init__(self, model: str, budget: int, compile_units: bool = False):
+        self.trainer = Trainer(model, SPEC, budget, device="sim", compile_units=compile_units)
 
     def steps(self, batch, n: int) -> list[float]:
         tr = self.trainer
@@ -101,6 +101,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="small", help="a preset (default small)")
     ap.add_argument("--budgets", default="56,1024", help="the two streamed budgets in MiB: below the model's "
                     "weights, and one that holds everything (default 56,1024)")
+    ap.add_argument("--compile-units", action="store_true", help="also run both streamed ways with the units "
+                    "through torch.compile (runtime/compiled.py); the warm-up round compiles")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds after a warm-up round")
     ap.add_argument("--steps", type=int, default=3, help="steps of each way per round (one more is dropped)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the main thread and the sim "
@@ -113,6 +115,10 @@ def main(argv=None) -> int:
     streamed = (f"streamed-{low}MiB", f"streamed-{high}MiB")
     ways = {"hf": HF(args.model, False), "hf+ckpt": HF(args.model, True),
             streamed[0]: Streamed(args.model, low * MiB), streamed[1]: Streamed(args.model, high * MiB)}
+    if args.compile_units:
+        for name, budget in zip(streamed, (low, high)):
+            ways[f"{name}+compile"] = Streamed(args.model, budget * MiB, compile_units=True)
+        streamed = (*streamed, *(f"{n}+compile" for n in streamed))
     for name in streamed:
         p = ways[name].trainer.plan
         print(f"{name}: {p.n_slots} slot(s), checkpoints "

@@ -87,6 +87,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--sim-threads", type=int, default=None, metavar="N",
                    help="the sim device's compute stream computes with N intra-op threads (default: torch's; the "
                    "copy and host streams take one each); a probe is specific to it")
+    t.add_argument("--compile-units", action="store_true",
+                   help="run the unit templates through torch.compile (inductor: C++ on the sim device, Triton on "
+                   "CUDA): results equal eager to fp32 round-off instead of bit for bit, the first step compiles; "
+                   "dense models only (runtime/compiled.py)")
     t.add_argument("--on-nan", choices=("abort", "skip"), default="abort",
                    help="a NaN/inf loss or gradient: abort (default: stop, keep the last checkpoint) or skip "
                    "(apply no update for that step, log it, go on)")
@@ -278,7 +282,7 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
                  checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
                  resume=args.resume, on_nan=args.on_nan, pack=args.pack, settings=settings,
                  allow_data_change=args.allow_data_change, host_policy=args.host_policy, comm=comm,
-                 profile=args.profile, sim_threads=args.sim_threads) as trainer:
+                 profile=args.profile, sim_threads=args.sim_threads, compile_units=args.compile_units) as trainer:
         p = trainer.plan
         if trainer.profile_note:
             say(trainer.profile_note)

@@ -45,13 +45,13 @@ from megatrain.models import (
     packing,
     rope_tables,
     routing,
-    run_unit,
     templates,
     views,
 )
 from megatrain.models.binding import buffer_views, slot_buffers
 from megatrain.models.loss import IGNORE_INDEX
 
+from .compiled import runners
 from .device import Device
 from .distributed import local_batch
 from .staging import Staging
@@ -62,7 +62,7 @@ class Engine:
     """The `rt` of a generated step program."""
 
     def __init__(self, ir: ModelIR, program: Program, device: Device, store: HostStore, loss_chunk: int = 1024,
-                 comm=None):
+                 comm=None, compile_units: bool = False):
         if store.program is not program:
             raise ValueError("the host store was built for another program: HostStore(..., program=program)")
         if program.world_size != (comm.size if comm is not None else 1):
@@ -75,6 +75,7 @@ class Engine:
         self.dtype = DTYPES[ir.dtype]
         self.loss_chunk = loss_chunk
         self.templates = templates(self.config)
+        self.runners = runners(self.config, self.templates, compile_units)  # compiled.py: eager by default
         self.units: dict[str, UnitIR] = {u.name: u for u in ir.units}
         names = [u.name for u in ir.units]
         self.next_unit = dict(zip(names, names[1:]))
@@ -220,13 +221,13 @@ class Engine:
                     self._put(f"saved.{unit}.{mb}", (params, carry, out), nbytes)
                 elif rebuild:  # also keep the sub-layer inputs the backward rebuilds the carry-in from
                     with torch.no_grad():
-                        out, side = run_unit(self.templates[u.template], self._params(u, slot), self._carry(u, mb),
-                                             self._inputs(u, mb), self._buffers(u, slot), record=True)
+                        out, side = self._run(u, self._params(u, slot), self._carry(u, mb), self._inputs(u, mb),
+                                              self._buffers(u, slot), record=True)
                     self._put(f"side.{unit}.{mb}", side, _nbytes(side))
                 else:
                     with torch.no_grad():
-                        out = run_unit(self.templates[u.template], self._params(u, slot), self._carry(u, mb),
-                                       self._inputs(u, mb), self._buffers(u, slot))
+                        out = self._run(u, self._params(u, slot), self._carry(u, mb), self._inputs(u, mb),
+                                        self._buffers(u, slot))
             if u.kind == "head":
                 self.losses[mb] = out[0].detach()
             else:
@@ -245,9 +246,8 @@ class Engine:
             side = self.bufs.get(f"side.{unit}.{mb}") if rebuild else None
             if side is not None:  # the carry-in from the next unit's, then a recompute on the recorded inputs
                 with torch.no_grad():
-                    rebuilt = run_unit(self.templates[u.template], self._params(u, slot),
-                                       self.bufs[f"carry.{self.next_unit[unit]}.{mb}"], self._inputs(u, mb),
-                                       self._buffers(u, slot), rebuild=side)
+                    rebuilt = self._run(u, self._params(u, slot), self.bufs[f"carry.{self.next_unit[unit]}.{mb}"],
+                                        self._inputs(u, mb), self._buffers(u, slot), rebuild=side)
                 self._put(f"carry.{unit}.{mb}", rebuilt, _nbytes(rebuilt))
             if saved is not None:
                 params, carry, out = saved
@@ -437,6 +437,10 @@ class Engine:
             return None
         return buffer_views(slot_buffers(self.bufs[f"slot{slot}"], u, self.ir.dtype), u.buffers)
 
+    def _run(self, u: UnitIR, params, carry, inputs, buffers, **mode):
+        """Unit `u`'s template on bound parameters (models.run_unit, or its compiled runner)."""
+        return self.runners[u.template](self.templates[u.template], params, carry, inputs, buffers, **mode)
+
     def _carry(self, u: UnitIR, mb: int) -> tuple[torch.Tensor, ...]:
         return () if not u.carry_in else self.bufs[f"carry.{u.name}.{mb}"]
 
@@ -465,7 +469,7 @@ class Engine:
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             mode = {} if side is None else {"side": side}
-            out = run_unit(self.templates[u.template], params, carry, inputs, buffers, **mode)
+            out = self._run(u, params, carry, inputs, buffers, **mode)
         return params, carry, out, sum(saved.values())
 
     def _write_grads(self, u: UnitIR, grad_slot: int, grads, accumulate: bool) -> None:
@@ -545,7 +549,7 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
             for b, (tokens, targets, packed) in enumerate(staged):
                 inputs = StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=engine.loss_chunk,
                                     chunk_tokens=engine.ir.chunk_tokens, **packed)
-                out = run_unit(engine.templates[u.template], params, carries[b], inputs, buffers)
+                out = engine._run(u, params, carries[b], inputs, buffers)
                 if carries[b]:
                     dev.pool.free(f"eval.{b}")
                 if u.kind == "head":

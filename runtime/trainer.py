@@ -150,7 +150,7 @@ class Trainer:
                  checkpoint_every: int = 0, keep_checkpoints: int | None = 3, resume: str | Path | None = None,
                  on_nan: str = "abort", settings: dict | None = None, pack: bool | None = None,
                  allow_data_change: bool = False, host_policy: str = "auto", comm=None, profile: str = "off",
-                 sim_threads: int | None = None):
+                 sim_threads: int | None = None, compile_units: bool = False):
         if on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
         if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
@@ -173,6 +173,7 @@ class Trainer:
             raise ValueError(f"profile must be 'auto' (plan with a cached probe of this machine when one exists) "
                              f"or 'off', got {profile!r}")
         self.profile = profile
+        self.compile_units = compile_units  # units through torch.compile (compiled.py): round-off, not bits
         self.profile_note = ""  # how the plan's op costs were obtained (the CLI prints it)
         # Cheap checks first: a bad data file or checkpoint is reported before anything big is allocated.
         self.data = self._open_data(data) if data else None
@@ -287,7 +288,7 @@ class Trainer:
         self.store.check_finite = True
         self.store.stop_on_fault = self.on_nan == "abort"
         self.engine = Engine(self.plan.ir, self.plan.program, self.device, self.store, loss_chunk=loss_chunk,
-                             comm=self.comm)
+                             comm=self.comm, compile_units=self.compile_units)
         if self._pause and self._pause[0] == "optimizer":
             self._pause_optimizer(self._pause[1])
 
@@ -300,7 +301,7 @@ class Trainer:
         from .unit_probe import cached_hardware
 
         cached = cached_hardware(ir, self.device.kind, dict(self.device.cpu.threads) if self.device.kind == "sim" else {},
-                                 loss_chunk)
+                                 loss_chunk, compiled=self.compile_units)
         if cached is None:
             self.profile_note = (f"planned with the {self.hardware.name} profile: no probe of {ir.model} at this "
                                  f"micro-batch, sequence length and dtype is cached for this machine; `megatrain "

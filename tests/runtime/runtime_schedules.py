@@ -49,9 +49,10 @@ def make_batches(config, train: TrainSpec, steps: int, seed: int = 0):
     return batches
 
 
-def streamed_train(p, batches, delays=None, budget=None, seed=0, kind="sim"):
+def streamed_train(p, batches, delays=None, budget=None, seed=0, kind="sim", compile_units=False):
     """Run the compiled plan on a device (sim by default); returns (store, losses, pool peak). `delays`: on
-    sim (lo, hi) seconds per op, on cuda (lo, hi) GPU cycles slept before each GPU stream op."""
+    sim (lo, hi) seconds per op, on cuda (lo, hi) GPU cycles slept before each GPU stream op; `compile_units`:
+    the units through torch.compile (runtime/compiled.py)."""
     step = load(emit(p)).step
     budget = budget if budget is not None else p.gpu_budget_bytes
     if kind == "sim":
@@ -61,7 +62,7 @@ def streamed_train(p, batches, delays=None, budget=None, seed=0, kind="sim"):
     with dev:
         store = HostStore(p.ir, p.train, seed=p.train.seed, policy=getattr(p, "host_policy", "exact"),
                           program=p.program, device=dev.kind)
-        engine = Engine(p.ir, p.program, dev, store)
+        engine = Engine(p.ir, p.program, dev, store, compile_units=compile_units)
         losses = [step(engine, b, lr_at(p.train, i)) for i, b in enumerate(batches)]
         dev.synchronize()
         return store, losses, dev.pool.peak

@@ -1,0 +1,55 @@
+"""Unit runners: how the engine calls a unit template, eagerly or through torch.compile (`--compile-units`).
+
+Where it sits: the Engine (engine.py) runs every unit through `runners(...)[template]`, a callable with
+models.run_unit's signature. Eager (the default) it is run_unit itself: streamed training then equals eager
+PyTorch bit for bit. Compiled, each template gets a torch.compile'd function of its own (CPU inductor on the
+sim device, CUDA on a GPU), whose kernels fuse the elementwise work, so results equal eager to fp32
+round-off, not bit for bit (tests/runtime/test_compiled.py). Try it: `megatrain train --model tiny --device
+sim --gpu-mem 6MiB --seq-len 64 --micro-batch 2 --compile-units`.
+
+What is compiled: a template's plain call (forward without or with autograd, the recompute of a backward,
+validation); a call with a mode (a depth mixing's record / rebuild / side) runs eagerly, as does every unit
+of an MoE model (its routing reads row counts on the host and uses context variables, which break graphs
+and would recompile per routing). Each template's function is a code object of its own, so dynamo's cache
+of recompiles per function (grad mode, train/eval) is per template, not shared by all of them.
+
+Cost: the first step compiles (tens of seconds on 2 cores for a small model, once per template and mode) and
+the compiled graphs' saved activations may differ from the eager trace the plan's memory timeline comes
+from; measured speed in docs/RESULTS.md (issue 20). Off by default: it is not measured faster here.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+from megatrain.models import ModelConfig, run_unit
+
+
+def _unit_call(template, bound, carry, inputs):
+    return functional_call(template, bound, (carry, inputs), strict=True)
+
+
+def _compiled(name: str, template: nn.Module) -> Callable:
+    code = _unit_call.__code__.replace(co_name=f"unit_{name.replace('.', '_')}")
+    fn = types.FunctionType(code, _unit_call.__globals__, code.co_name)
+    compiled = torch.compile(fn, dynamic=False)
+
+    def run(template_, params, carry, inputs, buffers=None, **mode):
+        if mode:  # a depth mixing's record / rebuild / side: eager
+            return run_unit(template_, params, carry, inputs, buffers, **mode)
+        bound = params if not buffers else {**params, **buffers}
+        return compiled(template_, bound, carry, inputs)
+
+    return run
+
+
+def runners(config: ModelConfig, templates: dict[str, nn.Module], compile_units: bool) -> dict[str, Callable]:
+    """template name -> the callable the engine runs it with (module docstring)."""
+    if not compile_units or config.moe is not None:
+        return {name: run_unit for name in templates}
+    return {name: _compiled(name, t) for name, t in templates.items()}
