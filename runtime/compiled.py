@@ -48,6 +48,25 @@ def _compiled(name: str, template: nn.Module) -> Callable:
     return run
 
 
+def check_toolchain(kind: str) -> None:
+    """Refuse --compile-units up front where inductor cannot build kernels: on the sim device it compiles C++
+    (a compiler on PATH, as torch._inductor.config.cpp.cxx names it), on CUDA it needs Triton."""
+    import importlib.util
+    import shutil
+
+    if kind == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("--compile-units on CUDA needs Triton (torch.compile's GPU backend), which is not "
+                             "installed: install the triton wheel matching torch, or drop --compile-units")
+        return
+    from torch._inductor import config
+
+    names = [c for c in config.cpp.cxx if c] or ["g++"]
+    if not any(shutil.which(c) for c in names):
+        raise ValueError(f"--compile-units on the {kind} device needs a C++ compiler ({' or '.join(names)}) on "
+                         "PATH: torch.compile builds CPU kernels with it; install one or drop --compile-units")
+
+
 def runners(config: ModelConfig, templates: dict[str, nn.Module], compile_units: bool) -> dict[str, Callable]:
     """template name -> the callable the engine runs it with (module docstring)."""
     if not compile_units or config.moe is not None:

@@ -219,6 +219,10 @@ class Trainer:
             if sim_threads is not None and (device == "sim" or device == "auto" and not torch.cuda.is_available()):
                 kw["cpu"] = resolve_cpus("sim", sim_threads=sim_threads)
             self.device = make_device(device, budget_bytes=gpu_budget_bytes, **kw)
+            if compile_units:
+                from .compiled import check_toolchain
+
+                check_toolchain(self.device.kind)
             self._build(the_plan, gpu_budget_bytes, loss_chunk, resume is None and self.weights is None)
             if self.weights is not None:
                 load_weights(self.weights, self.store)

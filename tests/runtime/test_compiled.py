@@ -40,3 +40,17 @@ def test_what_runs_eagerly():
     assert set(runners(TINY, templates(TINY), False).values()) == {run_unit}  # the default
     compiled = runners(TINY, templates(TINY), True)
     assert set(compiled) == set(templates(TINY)) and run_unit not in compiled.values()
+
+
+def test_no_compiler_is_one_line_before_any_work(monkeypatch, capsys):
+    import shutil
+
+    from megatrain.cli import main
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    args = ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "16", "--micro-batch",
+            "1", "--steps", "1", "--compile-units", "--no-progress"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "--compile-units" in err and "C++ compiler" in err and "drop --compile-units" in err
