@@ -49,6 +49,18 @@ def hardwares(draw) -> Hardware:
                     reserved_bytes=draw(st.sampled_from([0, 1000])), op_overhead_s=0.0, copy_latency_s=0.0)
 
 
+def drawn_program(ir: ModelIR, data) -> Program:
+    """A step program of `ir` under decisions drawn from hypothesis `data` (slots, gradient slots, per-unit
+    placement, optimizer split, micro-batches, clipping)."""
+    from megatrain.planner.passes import program_for
+    from megatrain.planner.schedule import Decisions
+
+    n = len(ir.units)
+    place = ("device",) + tuple(data.draw(st.sampled_from(["device", "host", "keep"])) for _ in range(n - 1))
+    dec = Decisions(data.draw(st.integers(1, n)), data.draw(st.integers(1, 2)), place, data.draw(st.integers(0, n)))
+    return program_for(ir, data.draw(st.integers(1, 2)), dec, clip=data.draw(st.booleans()))
+
+
 def independent_timeline(program: Program, kinds=None) -> tuple[list[int], list[int]]:
     """(buffers + workspace, buffers) per compute-stream instruction, straight from ir/README.md's rule:
     static buffers live all step; a dynamic buffer starts at `alloc` or its first compute writer and

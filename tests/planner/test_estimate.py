@@ -4,7 +4,7 @@ covers the step, and the chosen host-optimizer order beats the naive ones on a r
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from planner_testing import hardwares, model_irs
+from planner_testing import drawn_program, hardwares, model_irs
 
 from megatrain.planner import TrainSpec, plan
 from megatrain.planner.costs import CostModel
@@ -15,10 +15,7 @@ from megatrain.planner.schedule import Decisions
 
 @given(model_irs(max_blocks=4), hardwares(), st.data())
 def test_networkx_equals_linear_pass_and_path_covers_step(ir, hw, data):
-    n = len(ir.units)
-    place = ("device",) + tuple(data.draw(st.sampled_from(["device", "host", "keep"])) for _ in range(n - 1))
-    dec = Decisions(data.draw(st.integers(1, n)), data.draw(st.integers(1, 2)), place, data.draw(st.integers(0, n)))
-    p = program_for(ir, data.draw(st.integers(1, 2)), dec, clip=data.draw(st.booleans()))
+    p = drawn_program(ir, data)
     costs = CostModel(ir, hw)
     est = estimate_time(p, costs)
     sizes = {b.name: b.nbytes for b in p.buffers}

@@ -7,14 +7,12 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from planner_testing import hardwares, model_irs, traced
+from planner_testing import drawn_program, hardwares, model_irs, traced
 
 from megatrain.planner import TrainSpec, hardware_preset, plan
 from megatrain.planner import profile as pr
 from megatrain.planner.costs import CostModel
 from megatrain.planner.estimate import estimate_time, step_period
-from megatrain.planner.passes import program_for
-from megatrain.planner.schedule import Decisions
 
 
 def synthetic_profile(ir, *, scale: float = 1.0, contention=None, dispatch=2e-5) -> pr.UnitProfile:
@@ -91,10 +89,7 @@ def test_cache_roundtrip_and_corrupt_entries(tiny, tmp_path, monkeypatch):
 @settings(max_examples=30, deadline=None)
 @given(model_irs(max_blocks=4), hardwares(), st.data())
 def test_latencies_agree_between_dag_and_linear_pass(ir, hw, data):
-    n = len(ir.units)
-    place = ("device",) + tuple(data.draw(st.sampled_from(["device", "host", "keep"])) for _ in range(n - 1))
-    dec = Decisions(data.draw(st.integers(1, n)), data.draw(st.integers(1, 2)), place, data.draw(st.integers(0, n)))
-    p = program_for(ir, data.draw(st.integers(1, 2)), dec, clip=data.draw(st.booleans()))
+    p = drawn_program(ir, data)
     costs = CostModel(ir, hw)
     costs.event_latency_s = data.draw(st.floats(0, 1e-2))
     costs.step_gap_s = data.draw(st.floats(0, 1e-2))
