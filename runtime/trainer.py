@@ -299,8 +299,14 @@ class Trainer:
     def _profiled(self, ir, loss_chunk: int):
         """The hardware to plan with: with profile="auto", this machine's cached probe of the model's units
         (runtime/unit_probe.py) when one exists, its sizes those of the profile given; else the profile given.
-        Only the plan's speed depends on it: any schedule trains to the same bits."""
+        Only the plan's speed depends on it: any schedule trains to the same bits (a long sequence's tile size,
+        which the chunks pass also picks by speed, to fp32 round-off). In a world every rank plans with the
+        profile given: each node has a cache of its own, and the ranks' programs must agree."""
         if self.profile != "auto":
+            return self.hardware
+        if self.comm is not None:
+            self.profile_note = (f"planned with the {self.hardware.name} profile: in a world the ranks plan alike, "
+                                 "without a node's cached probe (pass a probed profile as --hardware FILE)")
             return self.hardware
         from .unit_probe import cached_hardware
 

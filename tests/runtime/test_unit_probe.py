@@ -64,3 +64,12 @@ def test_probe_cli_caches_and_reuses(profiles, capsys):
     assert "planned with the probe of this machine" in out and str(profiles) in out
     assert main([*train, "--hardware", "cpu"]) == 0  # a preset named: the probe is not used
     assert "planned with the probe" not in capsys.readouterr().out
+
+
+def test_a_world_plans_without_a_nodes_cached_probe(profiles):
+    ir = trace(preset("tiny"), 1, 16, "fp32", target="cpu")
+    probe_hardware(ir, hardware_preset("cpu"), "sim", repeats=1, measure_contention=False)
+    tr = Trainer.__new__(Trainer)  # only the profile choice: no device, no store
+    tr.profile, tr.hardware, tr.compile_units, tr.comm = "auto", hardware_preset("cpu"), False, object()
+    assert tr._profiled(ir, 1024) is tr.hardware  # each node has a cache of its own; the ranks must agree
+    assert "in a world" in tr.profile_note
