@@ -86,7 +86,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "with an error naming the rank (a rank that dies is named within a tenth of it; default 600)")
     t.add_argument("--sim-threads", type=int, default=None, metavar="N",
                    help="the sim device's compute stream computes with N intra-op threads (default: torch's; the "
-                   "copy and host streams take one each); a probe is specific to it")
+                   "host optimizer takes half of them, the copy streams one each: runtime/cpus.py); a probe is "
+                   "specific to it")
     t.add_argument("--compile-units", action="store_true",
                    help="run the unit templates through torch.compile (inductor: C++ on the sim device, Triton on "
                    "CUDA): results equal eager to fp32 round-off instead of bit for bit, the first step compiles; "
