@@ -34,6 +34,8 @@ def test_train_writes_metrics_and_trace(tmp_path, token_files, capsys):
     assert {e.get("tid") for e in events if e["ph"] == "X"} == {1, 2, 3, 4}  # all four streams worked
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["last_loss"] < summary["first_loss"]
+    tokens = 2 * 64 * 2  # micro-batch x seq-len x grad-accum: the plan's promise beside the measurement
+    assert summary["predicted_tokens_per_s"] == round(tokens / records[-1]["predicted_step_time_s"], 1)
 
 
 def test_compile_writes_a_loadable_step_program(tmp_path):
