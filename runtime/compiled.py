@@ -37,7 +37,7 @@ def _unit_call(template, bound, carry, inputs):
 def _compiled(name: str, template: nn.Module) -> Callable:
     code = _unit_call.__code__.replace(co_name=f"unit_{name.replace('.', '_')}")
     fn = types.FunctionType(code, _unit_call.__globals__, code.co_name)
-    compiled = torch.compile(fn, dynamic=False)
+    compiled = torch.compile(fn)  # NOTE: static shapes first; a shape that changes (packed documents) goes dynamic
 
     def run(template_, params, carry, inputs, buffers=None, **mode):
         if mode:  # a depth mixing's record / rebuild / side: eager
