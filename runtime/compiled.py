@@ -15,7 +15,8 @@ of recompiles per function (grad mode, train/eval) is per template, not shared b
 
 Cost: the first step compiles (tens of seconds on 2 cores for a small model, once per template and mode) and
 the compiled graphs' saved activations may differ from the eager trace the plan's memory timeline comes
-from; measured speed in docs/RESULTS.md (issue 20). Off by default: it is not measured faster here.
+from. Off by default: measured 4-21% faster per step at 2 threads and within noise at 1 on the 2-core test
+VM (docs/RESULTS.md, issue 20), which does not pay for the toolchain it needs and the compile time.
 """
 
 from __future__ import annotations

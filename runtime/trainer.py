@@ -308,10 +308,10 @@ class Trainer:
             self.profile_note = (f"planned with the {self.hardware.name} profile: in a world the ranks plan alike, "
                                  "without a node's cached probe (pass a probed profile as --hardware FILE)")
             return self.hardware
-        from .unit_probe import cached_hardware
+        from .unit_probe import cached_hardware, device_threads
 
-        cached = cached_hardware(ir, self.device.kind, dict(self.device.cpu.threads) if self.device.kind == "sim" else {},
-                                 loss_chunk, compiled=self.compile_units)
+        cached = cached_hardware(ir, self.device.kind, device_threads(self.device), loss_chunk,
+                                 compiled=self.compile_units)
         if cached is None:
             self.profile_note = (f"planned with the {self.hardware.name} profile: no probe of {ir.model} at this "
                                  f"micro-batch, sequence length and dtype is cached for this machine; `megatrain "

@@ -70,9 +70,14 @@ def device_name(kind: str) -> str:
 
 
 def probe_threads(kind: str, sim_threads: int | None = None) -> dict[str, int]:
-    """The intra-op threads per stream worker a `kind` device of this process gets (cpus.py), which a sim
-    profile is specific to; {} on cuda, whose workers only issue GPU work."""
+    """The intra-op threads per stream worker a `kind` device of this process would get (cpus.py), which a
+    sim profile is specific to; {} on cuda, whose workers only issue GPU work."""
     return dict(resolve_cpus("sim", sim_threads=sim_threads).threads) if kind == "sim" else {}
+
+
+def device_threads(device: Device) -> dict[str, int]:
+    """What a profile of `device` is keyed by (probe_threads of a device that exists)."""
+    return dict(device.cpu.threads) if device.kind == "sim" else {}
 
 
 def key_for(ir: ModelIR, kind: str, threads: dict[str, int], loss_chunk: int = 1024, compiled: bool = False) -> str:
@@ -300,7 +305,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
     t0 = time.perf_counter()
     kw = {"cpu": resolve_cpus("sim", sim_threads=sim_threads)} if kind == "sim" else {}
     device = make_device(kind, None, **kw)
-    used = dict(device.cpu.threads)
+    used = device_threads(device)
     train = TrainSpec(micro_batch=ir.micro_batch, seq_len=ir.seq_len, dtype=ir.dtype, lr=1e-4, total_steps=10**6)
     reps: dict[tuple, UnitIR] = {}
     for u in ir.units:
@@ -359,7 +364,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
             optimizer_clip_s={p: med.get(f"optclip:{p}", med[f"opt:{p}"]) for p in policies})
     fields = dict(device=kind, device_name=device_name(kind), torch=torch.__version__, config_sha=config_sha(ir.config),
                   micro_batch=ir.micro_batch, seq_len=ir.seq_len, dtype=ir.dtype, packed=ir.packed,
-                  loss_chunk=loss_chunk, threads=used if kind == "sim" else {}, compiled=False)
+                  loss_chunk=loss_chunk, threads=used, compiled=False)
     return UnitProfile(key=profile_key(**fields), model=ir.model, dispatch_s=dispatch, event_latency_s=latency,
                        step_gap_s=gap, contention=contention, units=units, repeats=repeats, seconds=time.perf_counter() - t0,
                        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **fields)
