@@ -4,7 +4,7 @@ Run: `.venv/bin/python benchmarks/bench_host_optimizer.py` (about 3 minutes; `--
 `make bench`. Results: docs/RESULTS.md, "Host memory".
 
 For each policy a block-sized unit (two 12M-element matrices and a norm vector: 24M parameters, arrays 48x
-the 2 MiB of L2 a core has here) is stepped with runtime/host_state.adamw_step, clipped (a factor < 1, the
+the 2 MiB of L2 a core has here) is stepped with runtime/host_state's step, clipped (a factor < 1, the
 path a clipped run takes every step it clips) and not, in interleaved rounds; the figure is the best round
 (as `megatrain probe` takes the best of its repeats: on a machine shared with other jobs the fastest round is
 the one least disturbed).
@@ -17,7 +17,9 @@ the one least disturbed).
   policy), with the rates `megatrain probe` writes (probe.policy_rates: each policy's step on 16M parameters,
   measured here in every round, the best); legacy is priced at the exact policy's rate. On a machine shared
   with other jobs, rates drift within minutes: every figure is sampled in every round, interleaved.
-`legacy` is the step before host policies: the clip norm re-read every gradient, the clip factor was its own
+Each policy runs twice where runtime/host_kernel.c is available: through it (the path the runtime takes)
+and as torch ops (`(torch ops)`, the fallback, same bits; its `predicted` is the kernel's price). `legacy` is
+the step before host policies: the clip norm re-read every gradient, the clip factor was its own
 pass, the NaN check summed every gradient, and a bf16 transfer copy was refreshed from the master: 28 B/param
 of AdamW plus 4 + 8 + 4 + 6.
 """
@@ -32,15 +34,17 @@ import torch
 from megatrain.planner import probe as probe_module
 from megatrain.planner.host_policy import ORDER, POLICIES
 from megatrain.planner.train import TrainSpec
-from megatrain.runtime.host_state import Moments, adamw_step, grad_dtype, new_moments
+from megatrain.runtime import host_kernel
+from megatrain.runtime.host_state import Moments, _step, grad_dtype, new_moments
 
 CFG = TrainSpec(micro_batch=1, seq_len=8, lr=1e-4, clip_norm=1.0)
 LEGACY_BYTES = 28 + 4 + 8 + 4 + 6
 
 
 class Unit:
-    def __init__(self, policy: str, params: int):
+    def __init__(self, policy: str, params: int, one_pass: bool = False):
         torch.manual_seed(0)
+        self.one_pass = one_pass
         big = (params - 4096) // 2
         self.shapes = [(big,), (big,), (4096,)]
         self.params = [torch.randn(s) * 0.02 for s in self.shapes]
@@ -50,8 +54,8 @@ class Unit:
         self.policy, self.n = policy, sum(p.numel() for p in self.params)
 
     def step(self, clip: torch.Tensor | None) -> None:
-        adamw_step(self.policy, self.params, self.grads, self.moments, self.steps, CFG, 1e-4, [True, True, False],
-                   clip)
+        _step(self.policy, self.params, self.grads, self.moments, self.steps, CFG, 1e-4, [True, True, False], clip,
+              self.one_pass)
 
 
 class Legacy(Unit):
@@ -69,14 +73,16 @@ class Legacy(Unit):
                 g.mul_(clip)  # the clip factor, a pass of its own
         all(bool(torch.isfinite(g.sum())) for g in self.grads)  # the NaN check summed them again
         moments = [Moments(m.exp_avg, m.exp_avg_sq) for m in self.moments]
-        adamw_step("exact", self.params, self.grads, moments, self.steps, CFG, 1e-4, [True, True, False], None)
+        _step("exact", self.params, self.grads, moments, self.steps, CFG, 1e-4, [True, True, False], None, False)
         for c, p in zip(self.copies, self.params):
             c.copy_(p)  # the transfer copy re-read the master
 
 
 def measure(params: int = 24 * 2**20, rounds: int = 5) -> dict:
     clip = torch.tensor(0.5)
-    units = {name: Unit(name, params) for name in ORDER}
+    paths = [True, False] if host_kernel.available() else [False]
+    units = {f"{name}{'' if one_pass else ' (torch ops)'}": Unit(name, params, one_pass)
+             for name in ORDER for one_pass in paths}
     units["legacy"] = Legacy(params)
     times: dict[tuple[str, bool], list[float]] = {(k, c): [] for k in units for c in (False, True)}
     bounds, samples = [], []
@@ -92,9 +98,9 @@ def measure(params: int = 24 * 2**20, rounds: int = 5) -> dict:
     rates = {k: max(r[k] for r in samples) for k in samples[0]}
     rows = []
     for name, unit in units.items():
-        traffic = LEGACY_BYTES if name == "legacy" else POLICIES[name].traffic
+        traffic = LEGACY_BYTES if name == "legacy" else POLICIES[unit.policy].traffic
         for clipped in (False, True):
-            key = ("exact" if name == "legacy" else name) + ("+clip" if clipped else "")
+            key = unit.policy + ("+clip" if clipped else "")
             predicted = unit.n * traffic / rates[key]  # the planner prices a clipped step at its own rate
             sec = min(times[name, clipped])
             gbs = unit.n * traffic / sec

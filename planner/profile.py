@@ -36,7 +36,7 @@ from megatrain.files import read_json, write_atomic
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
-PROFILE_VERSION = 2  # 2: warm repeats of forward and recompute-backward
+PROFILE_VERSION = 3  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates
 MAX_PROFILE_BYTES = 4 << 20
 
 

@@ -6,7 +6,10 @@ values, so streamed training under a policy equals eager training under it bit f
 (tests/runtime/test_host_policy.py); `exact` is also bit-identical to torch.optim.AdamW(fused=True) after
 torch.nn.utils.clip_grad_norm_ (tests/runtime/test_exactness.py).
 
-How a step moves each byte once (HostPolicy.traffic):
+How a step moves each byte once (HostPolicy.traffic): where host_kernel.available() (a C compiler, torch
+vectorised for AVX2 / AVX-512, and `self_check` passed on this machine), each parameter's update is one loop in
+C (host_kernel.c) that reads each stored byte once, expands it, performs the fused kernel's fp32 operations and
+rounds back, the clip factor applied as below. Otherwise the same update runs as torch ops, per policy:
 - exact: torch's fused CPU AdamW over fp32 master, gradient and moments. With the clip factor c < 1 the
   gradient is multiplied by c into a cache-sized scratch chunk by chunk (g * c, the rounding clip_grad_norm_'s
   in-place multiply has) and the fused kernel runs on the chunk: no extra pass over the gradients. With c = 1
@@ -37,6 +40,8 @@ from torch.optim.adamw import adamw as functional_adamw
 
 from megatrain.planner.host_policy import FP8_BLOCK, HostPolicy, resolve
 from megatrain.planner.train import TrainSpec
+
+from . import host_kernel
 
 STEP_CHUNK = 1 << 20  # elements per in-cache pass (4 MiB of fp32 per scratch), a multiple of FP8_BLOCK
 FP8 = torch.float8_e4m3fn
@@ -116,6 +121,11 @@ def adamw_step(policy: HostPolicy | str, params: list[torch.Tensor], grads: list
     """One AdamW update in place of fp32 `params` from `grads` (the policy's gradient dtype) and `moments`,
     with the clip factor `clip` (clip_grad_norm_'s clamped coefficient; None: no clipping). `decay[i]`: whether
     parameter i takes the weight decay (default: all do); `steps` are AdamW's fp32 step counts."""
+    _step(policy, params, grads, moments, steps, cfg, lr, decay, clip, host_kernel.available())
+
+
+def _step(policy, params, grads, moments, steps, cfg, lr, decay, clip, one_pass: bool) -> None:
+    """adamw_step through host_kernel.c (`one_pass`) or through torch ops: the same bits either way."""
     policy = resolve(policy)
     decay = decay if decay is not None else [True] * len(params)
     if clip is not None and float(clip) == 1.0:
@@ -127,10 +137,55 @@ def adamw_step(policy: HostPolicy | str, params: list[torch.Tensor], grads: list
         weight_decay = cfg.weight_decay if wd else 0.0
         group = ([params[i] for i in idx], [grads[i] for i in idx], [moments[i] for i in idx],
                  [steps[i] for i in idx])
-        if policy.moments == "float32" and policy.grads == "float32":
+        exact = policy.moments == "float32" and policy.grads == "float32"
+        if one_pass and not (exact and clip is None):  # that one is torch's fused kernel alone: as fast
+            _one_pass(exact, *group, cfg, lr, weight_decay, clip)
+        elif exact:
             _exact(*group, cfg, lr, weight_decay, clip)
         else:
             _compressed(policy, *group, cfg, lr, weight_decay, clip)
+
+
+def _one_pass(exact: bool, params, grads, moments, steps, cfg, lr, wd, clip) -> None:
+    # the clip factor as each torch path applies it: exact multiplies (clip_grad_norm_'s g * c), the compressed
+    # policies divide by its fp32 reciprocal (the fused kernel's grad_scale)
+    mode, factor = (0, 1.0) if clip is None else (1, float(clip)) if exact else (2, float(torch.reciprocal(clip)))
+    for p, g, mom, step in zip(params, grads, moments, steps):
+        host_kernel.step(p.view(-1), g.view(-1), mom.exp_avg.view(-1), mom.exp_avg_sq.view(-1), mom.avg_scale,
+                         mom.sq_scale, lr=lr, betas=cfg.betas, weight_decay=wd, eps=cfg.eps,
+                         step=float(step) + 1, grad_mode=mode, factor=factor)
+        step.add_(1)
+
+
+def self_check() -> str:
+    """'' when host_kernel.c gives torch's bits for every policy, with and without a clip factor, on tensors
+    with vector bodies, scalar tails and partial fp8 blocks, over three steps (bf16 and fp8 moments then hold
+    rounded values); else what differed first."""
+    from megatrain.planner.host_policy import POLICIES
+
+    gen = torch.Generator().manual_seed(0)
+    # tails of 15 and 13 elements: a kernel assuming 8 lanes where torch has 16 (or the reverse) differs there
+    shapes = [(3 * FP8_BLOCK + 15,), (40, 16), (29,), (5,)]
+    cfg = TrainSpec(micro_batch=1, seq_len=1)
+    for name in POLICIES:
+        for clip in (None, torch.tensor(0.37)):
+            runs = []
+            for one_pass in (False, True):
+                gen.manual_seed(1)
+                params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+                moments = [new_moments(name, s) for s in shapes]
+                steps = [torch.zeros(()) for _ in shapes]
+                for k in range(3):
+                    grads = [(torch.randn(s, generator=gen) * 10.0 ** -k).to(grad_dtype(name)) for s in shapes]
+                    grads[0][:7] = 0  # a moment that decays towards the fp8 floor
+                    grads[2][:4] *= 1e-21  # squares below fp32's least normal
+                    _step(name, params, grads, moments, steps, cfg, 1e-3, [True, False, True, False], clip,
+                          one_pass)
+                runs.append([*params, *(t for m in moments for t in m.tensors().values())])
+            for i, (a, b) in enumerate(zip(*runs)):
+                if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                    return f"policy {name}, clip {clip is not None}, tensor {i}"
+    return ""
 
 
 def update_bound(cfg: TrainSpec, step: int, exact: bool = True) -> float:

@@ -1,0 +1,178 @@
+"""The host optimizer in one pass: host_kernel.c, compiled on first use and loaded with ctypes.
+
+Where it sits: host_state.adamw_step calls `step` for each parameter when `available()`; otherwise it runs the
+same update as a sequence of torch ops (its `_exact` / `_compressed`). Both give the same bits: the C loop
+performs torch's fused CPU AdamW's fp32 operations in torch's order (host_kernel.c says how), and `available`
+checks that on this machine, against the torch path, for every policy, with and without a clip factor, before
+the first step uses it. A machine where any bit differs, with no C compiler, or whose torch is not vectorised
+for AVX2 / AVX-512 (the only lane widths whose scalar tail host_kernel.c reproduces) runs the torch path and
+says why once (`why_not`).
+
+Why: each policy's step is then one read and one write of each byte it holds (HostPolicy.traffic), where the
+torch path needs a pass per dtype expansion and rounding, clip multiply and fused kernel over each
+cache-sized chunk (docs/RESULTS.md "Host optimizer throughput").
+
+The library is built with the system C compiler (`$CC`, else cc) at -O3 -march=native -ffp-contract=off into
+$MEGATRAIN_CACHE/kernels (default ~/.cache/megatrain), keyed by the source, the flags, the compiler and the
+machine, and reused; written to a temporary name and renamed, so ranks building at once do not see half a file.
+MEGATRAIN_HOST_KERNEL=0 turns it off (benchmarks compare the two paths that way).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("host_kernel.c")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "--param", "vect-epilogues-nomask=0", "-fPIC",
+         "-shared"]
+BLOCK = 256  # host_kernel.c BLOCK: pieces split between threads start at multiples of it
+MIN_PIECE = 1 << 18  # elements: smaller tensors are not split between threads
+MOMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+# Per torch CPU capability, the granularity of fused AdamW's vector path: the last (numel mod it) elements of a
+# tensor take the scalar formulas. AVX-512: torch's loop runs 16 lanes, and its compiler vectorised the scalar
+# tail loop in 8 lanes, with the vector body's contraction (measured: tensors of 16k + 1..15 elements).
+# AVX2: torch's 8 lanes (not measured here; the self-check decides).
+LANES = {"AVX512": 8, "AVX2": 8}
+
+
+class Hyper(ctypes.Structure):
+    _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
+                ("weight_decay", ctypes.c_double), ("eps", ctypes.c_double), ("step", ctypes.c_double),
+                ("grad_mode", ctypes.c_int32), ("factor", ctypes.c_float), ("grad_bf16", ctypes.c_int32),
+                ("moments", ctypes.c_int32)]
+
+
+_state: dict = {}  # "lib", "lanes", "why_not", "pool", "pool_size"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc")
+
+
+def _cpu() -> str:
+    """What -march=native compiles for: the machine and its CPU's model and feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    first = {}
+    for line in lines:
+        k, _, v = line.partition(":")
+        first.setdefault(k.strip(), v.strip())
+    return "|".join([platform.machine(), first.get("model name", ""), first.get("flags", "")])
+
+
+def _build() -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, or $CC) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu().encode()])).hexdigest()[:16]
+    out = _cache_dir() / f"host_kernel-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:500]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> None:
+    if os.environ.get("MEGATRAIN_HOST_KERNEL", "1") == "0":
+        _state["why_not"] = "MEGATRAIN_HOST_KERNEL=0"
+        return
+    lanes = LANES.get(torch.backends.cpu.get_cpu_capability())
+    if lanes is None:
+        _state["why_not"] = f"torch's CPU capability is {torch.backends.cpu.get_cpu_capability()}, not AVX2/AVX512"
+        return
+    try:
+        lib = ctypes.CDLL(str(_build()))
+    except (OSError, RuntimeError) as e:
+        _state["why_not"] = f"could not build {SOURCE.name}: {e}"
+        return
+    lib.mt_adamw.restype = None
+    lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
+    _state.update(lib=lib, lanes=lanes)
+    from .host_state import self_check  # NOTE: host_state imports this module; the check needs both paths
+
+    bad = self_check()
+    if bad:
+        _state.pop("lib")
+        _state["why_not"] = f"its bits differ from torch's on this machine ({bad})"
+
+
+def available() -> bool:
+    if "why_not" not in _state and "lib" not in _state:
+        _state["why_not"] = None
+        _load()
+        if _state.get("why_not"):
+            log.warning("host optimizer: the one-pass kernel is off (%s); torch ops give the same bits, slower",
+                        _state["why_not"])
+    return "lib" in _state
+
+
+def why_not() -> str | None:
+    """Why the kernel is not used on this machine (None: it is)."""
+    available()
+    return _state.get("why_not")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+         avg_scale: torch.Tensor | None, sq_scale: torch.Tensor | None, *, lr: float, betas: tuple[float, float],
+         weight_decay: float, eps: float, step: float, grad_mode: int = 0, factor: float = 1.0) -> None:
+    """One AdamW update of the contiguous fp32 `param` in place (torch's fused kernel's bits) from `grad` (fp32
+    or bf16) times (grad_mode 1) or over (2) `factor`, and moments of any of MOMENTS' dtypes (fp8: with their
+    per-block scales); `step` is the count after the update."""
+    lib, n = _state["lib"], param.numel()
+    for t in (param, grad, exp_avg, exp_avg_sq):
+        assert t.is_contiguous() and t.device.type == "cpu" and t.numel() == n
+    assert param.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16)
+    assert exp_avg.dtype == exp_avg_sq.dtype and (exp_avg.dtype != torch.float8_e4m3fn or avg_scale is not None)
+    hyper = Hyper(lr, betas[0], betas[1], weight_decay, eps, step, grad_mode, factor,
+                  int(grad.dtype == torch.bfloat16), MOMENTS[exp_avg.dtype])
+    args = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _ptr(avg_scale),
+            _ptr(sq_scale))
+    nvec = n - n % _state["lanes"]
+    threads = min(torch.get_num_threads(), max(1, n // MIN_PIECE))
+    if threads <= 1:
+        lib.mt_adamw(*args, 0, n, nvec, ctypes.byref(hyper))
+        return
+    piece = -(-n // threads // BLOCK) * BLOCK
+    pool, size = _state.get("pool"), _state.get("pool_size", 0)
+    if pool is None or size < threads:
+        pool = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="host-adamw")
+        _state["pool_size"] = threads
+    jobs = [pool.submit(lib.mt_adamw, *args, a, min(n, a + piece), nvec, ctypes.byref(hyper))
+            for a in range(0, n, piece)]
+    for j in jobs:
+        j.result()

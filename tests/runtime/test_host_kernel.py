@@ -1,0 +1,156 @@
+"""The one-pass host optimizer (runtime/host_kernel.c): the same bits as the torch-op path for every policy,
+whatever the tensor sizes, clip factor, thread split and value range; a machine where it cannot be built or
+its bits differ falls back to the torch path and says why.
+
+`exact` through the kernel against torch.optim.AdamW(fused=True) on a model's parameters is
+tests/runtime/test_exactness.py (it runs whichever path this machine uses).
+"""
+
+import shutil
+
+import pytest
+import torch
+
+from megatrain.planner.host_policy import FP8_BLOCK, POLICIES
+from megatrain.planner.train import TrainSpec
+from megatrain.runtime import host_kernel, host_state
+from megatrain.runtime.host_state import adamw_step, grad_dtype, new_moments
+
+CAPABLE = torch.backends.cpu.get_cpu_capability() in host_kernel.LANES
+CAN_BUILD = shutil.which("cc") is not None and CAPABLE
+CFG = TrainSpec(micro_batch=1, seq_len=1, weight_decay=0.1)
+
+
+@pytest.fixture
+def fresh_kernel(monkeypatch, tmp_path):
+    """host_kernel's module state emptied for the test (built into a temp cache) and put back after it."""
+    saved = dict(host_kernel._state)
+    host_kernel._state.clear()
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+    yield tmp_path / "cache" / "kernels"
+    host_kernel._state.clear()
+    host_kernel._state.update(saved)
+
+
+def _state(policy, shapes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+    return gen, params, [new_moments(policy, s) for s in shapes], [torch.zeros(()) for _ in shapes]
+
+
+def _run(policy, shapes, clips, one_pass, scale=1.0, seed=0, cfg=CFG):
+    gen, params, moments, steps = _state(policy, shapes, seed)
+    decay = [i % 2 == 0 for i in range(len(shapes))]
+    for clip in clips:
+        grads = [(torch.randn(s, generator=gen) * scale).to(grad_dtype(policy)) for s in shapes]
+        host_state._step(policy, params, grads, moments, steps, cfg, 3e-3, decay, clip, one_pass)
+    return [*params, *(t for m in moments for t in m.tensors().values()), *steps]
+
+
+def _assert_same_bits(a, b, what):
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.dtype == y.dtype and torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8)), f"{what}: tensor {i}"
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_the_kernel_is_used_on_this_machine():
+    """Where it can be built, it must pass its own check: a silent fallback would hide a broken kernel."""
+    assert host_kernel.available(), host_kernel.why_not()
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_one_pass_equals_torch_ops(policy):
+    """Sizes around every boundary (the 8-element tail, 16-lane vectors, fp8 blocks), several steps with the
+    clip factor off, < 1, and exactly 1; gradients from ordinary to ones whose squares are subnormal."""
+    assert host_kernel.available(), host_kernel.why_not()
+    shapes = [(1,), (7,), (8,), (15,), (17,), (FP8_BLOCK - 1,), (FP8_BLOCK,), (FP8_BLOCK + 9,), (33, 31),
+              (5 * FP8_BLOCK + 23,)]
+    clips = [None, torch.tensor(0.31), torch.tensor(1.0), None, torch.tensor(0.07)]
+    for scale in (1.0, 1e-3, 1e-21):
+        ref = _run(policy, shapes, clips, one_pass=False, scale=scale)
+        got = _run(policy, shapes, clips, one_pass=True, scale=scale)
+        _assert_same_bits(ref, got, f"{policy} at gradient scale {scale}")
+        changed = sum(not torch.equal(a, b) for a, b in zip(ref[: len(shapes)], _state(policy, shapes, 0)[1]))
+        # not vacuous: every parameter moved (at 1e-21 the update is below an ulp of the weights: the decayed
+        # ones move, by the decay)
+        assert changed == (len(shapes) if scale >= 1e-3 else (len(shapes) + 1) // 2)
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+@pytest.mark.parametrize("policy", ["exact", "bf16"])
+def test_a_first_moment_weight_of_half_or_more_takes_torchs_other_lerp(policy):
+    """beta1 < 0.5: torch computes the lerp as g - (g - m)(1 - w); so must the kernel."""
+    cfg = TrainSpec(micro_batch=1, seq_len=1, weight_decay=0.1, betas=(0.2, 0.9))
+    shapes = [(37,), (FP8_BLOCK + 5,)]
+    clips = [None, torch.tensor(0.4), None]
+    _assert_same_bits(_run(policy, shapes, clips, False, cfg=cfg), _run(policy, shapes, clips, True, cfg=cfg),
+                      policy)
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+@pytest.mark.parametrize("policy", ["exact", "fp8"])
+def test_a_split_between_threads_gives_the_same_bits(policy, monkeypatch):
+    """A tensor large enough to be split between host threads (pieces at BLOCK boundaries, one tail)."""
+    assert host_kernel.available(), host_kernel.why_not()
+    monkeypatch.setattr(host_kernel, "MIN_PIECE", 1024)
+    shapes = [(3 * 1024 + 13,), (9 * FP8_BLOCK,)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        got = _run(policy, shapes, [torch.tensor(0.5), None], one_pass=True)
+    finally:
+        torch.set_num_threads(threads)
+    _assert_same_bits(_run(policy, shapes, [torch.tensor(0.5), None], one_pass=False), got, policy)
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_the_check_catches_a_kernel_whose_bits_differ(fresh_kernel):
+    """Where the scalar tail starts is the one thing measured rather than derived: with it wrong, the check
+    must refuse the kernel (and the step then runs the torch path)."""
+    assert host_kernel.available()
+    right = host_kernel._state["lanes"]
+    for wrong in (4, 16):
+        host_kernel._state["lanes"] = wrong
+        assert host_state.self_check().startswith("policy exact"), wrong
+    host_kernel._state["lanes"] = right
+    assert host_state.self_check() == ""
+
+
+@pytest.mark.skipif(not CAPABLE, reason="torch not vectorised for AVX2/AVX-512: the capability is the reason")
+def test_no_compiler_falls_back_to_torch_ops_with_the_reason(fresh_kernel, monkeypatch, caplog):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    with caplog.at_level("WARNING", logger="megatrain.runtime.host_kernel"):
+        assert not host_kernel.available()
+    assert "no C compiler" in host_kernel.why_not() and "kernel is off" in caplog.text
+    assert not fresh_kernel.exists() or not list(fresh_kernel.iterdir())
+    shapes = [(300,)]
+    gen, params, moments, steps = _state("bf16", shapes, 0)
+    before = params[0].clone()
+    adamw_step("bf16", params, [torch.randn(300).bfloat16()], moments, steps, CFG, 1e-3)
+    assert not torch.equal(before, params[0]) and float(steps[0]) == 1.0
+
+
+def test_turned_off_by_the_environment(fresh_kernel, monkeypatch):
+    monkeypatch.setenv("MEGATRAIN_HOST_KERNEL", "0")
+    assert not host_kernel.available() and host_kernel.why_not() == "MEGATRAIN_HOST_KERNEL=0"
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_the_build_is_cached_and_leaves_no_partial_file(fresh_kernel):
+    first = host_kernel._build()
+    assert first.parent == fresh_kernel and first.suffix == ".so"
+    stamp = first.stat().st_mtime_ns
+    assert host_kernel._build() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in fresh_kernel.iterdir()] == [first.name]
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_a_compiler_error_is_reported_not_raised(fresh_kernel, monkeypatch, tmp_path):
+    bad = tmp_path / "broken.c"
+    bad.write_text("this is not C\n")
+    monkeypatch.setattr(host_kernel, "SOURCE", bad)
+    assert not host_kernel.available()
+    assert "could not build broken.c" in host_kernel.why_not()
+    assert not list(fresh_kernel.glob("*.tmp"))
