@@ -76,6 +76,14 @@ def policy_rates(n: int, repeats: int) -> dict[str, float]:
     return out
 
 
+def _optimizer_path() -> str:
+    """How the host optimizer whose rates were measured runs here (runtime/host_kernel.py)."""
+    from megatrain.runtime import host_kernel
+
+    why = host_kernel.why_not()
+    return "host optimizer: one pass (runtime/host_kernel.c)" if why is None else f"host optimizer: torch ops ({why})"
+
+
 def _host_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -102,7 +110,7 @@ def probe(device: str = "auto", quick: bool = False) -> Hardware:
     stream = stream_bandwidth(torch, nbytes, repeats)
     adam = _adamw(torch, (4 if quick else 16) * 2**20, repeats) * ADAMW_BYTES["exact"]
     rates = policy_rates((4 if quick else 16) * 2**20, repeats)
-    host = _host_bytes()
+    host, path = _host_bytes(), _optimizer_path()
     if cuda:
         props = torch.cuda.get_device_properties(0)
         pinned = torch.empty(nbytes * 4, dtype=torch.uint8, pin_memory=True)
@@ -116,13 +124,13 @@ def probe(device: str = "auto", quick: bool = False) -> Hardware:
                         peak_flops=peak, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, host_memory_bytes=host,
                         host_memory_bytes_per_s=adam, host_stream_bytes_per_s=stream,
                         host_optimizer_bytes_per_s=rates, source=f"megatrain probe on {name} ({'quick' if quick else 'full'}); nominal peak from "
-                        f"{known or 'the measurement'}; host copy {copy_bw / 1e9:.1f} GB/s")
+                        f"{known or 'the measurement'}; host copy {copy_bw / 1e9:.1f} GB/s; {path}")
     return Hardware(name="probed cpu", device="cpu", gpu_memory_bytes=host // 2, matmul_flops=flops, peak_flops=flops,
                     h2d_bytes_per_s=copy_bw, d2h_bytes_per_s=copy_bw, host_memory_bytes=host,
                     host_memory_bytes_per_s=adam, host_stream_bytes_per_s=stream,
                     host_optimizer_bytes_per_s=rates, allocator_margin=0.0, reserved_bytes=0, op_overhead_s=2e-5,
                     copy_latency_s=2e-5, source=f"megatrain probe --device cpu ({'quick' if quick else 'full'}): "
-                    "the sim device copies with host memcpy; half the host memory is its pool")
+                    f"the sim device copies with host memcpy; half the host memory is its pool; {path}")
 
 
 def _matches(preset: str, device_name: str) -> bool:
