@@ -10,6 +10,11 @@ each ratio is taken under the same machine load; the probe of each case runs jus
 Prints a markdown table: predicted ms, measured median ms, measured/predicted, and the spread (min-max of
 per-round ratios over rounds of `--steps` steps).
 
+`--reprobe` separates the cost model's error from the machine's drift: before each measured round of a case
+its units are probed again (not cached) and the plan's own program is priced with that fresh profile
+(estimate_time, the planner's estimator); the table then also gives the median of measured over
+fresh-probe predicted per round. The plan, and the headline ratio, stay those of the first probe.
+
 NOTE: on the sim device the streams share the host's cores, so the measured step depends on what else the
 machine runs; the probe measures the same machine's slowdowns (planner/contention.py), not another's.
 """
@@ -28,6 +33,8 @@ import torch
 from megatrain.ir.trace import trace
 from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec
+from megatrain.planner.costs import CostModel
+from megatrain.planner.estimate import estimate_time
 from megatrain.planner.probe import probe
 from megatrain.runtime.trainer import Trainer
 from megatrain.runtime.unit_probe import cached_hardware, probe_hardware, probe_threads
@@ -69,11 +76,22 @@ def _batch(vocab: int, mb: int, seq: int, accum: int, seed: int):
             for _ in range(accum)]
 
 
+def _traced(config, spec: TrainSpec):
+    return trace(config, spec.micro_batch, spec.seq_len, spec.dtype, target="cpu")
+
+
 def _probed(config, spec: TrainSpec, machine, repeats: int):
     """This machine's profile with the model's unit profile (cached one if there is one)."""
-    ir = trace(config, spec.micro_batch, spec.seq_len, spec.dtype, target="cpu")
+    ir = _traced(config, spec)
     hw = cached_hardware(ir, "sim", probe_threads("sim"))
     return hw if hw is not None else probe_hardware(ir, machine, "sim", repeats=repeats)
+
+
+def _fresh_prediction(run: dict, machine, repeats: int) -> float:
+    """The plan's program priced with a unit profile measured now (not cached)."""
+    p = run["trainer"].plan
+    hw = probe_hardware(run["ir"], machine, "sim", repeats=repeats, cache=False)
+    return estimate_time(p.program, CostModel(p.ir, hw, p.host_policy, p.train.clip_norm is not None)).step_time_s
 
 
 def main(argv=None) -> int:
@@ -84,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="probe repeats per op")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the main thread and the sim "
                     "device's compute stream (default 1: see docs/RESULTS.md on oversubscribed cores)")
+    ap.add_argument("--reprobe", action="store_true", help="probe each case again before each measured round "
+                    "and report measured over that fresh prediction too")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)  # the sim device's compute stream takes this count too
@@ -103,13 +123,14 @@ def main(argv=None) -> int:
             if tr.plan.hardware.units is None:
                 raise SystemExit(f"{name}: the plan did not use the unit profile")
             runs[name] = {"trainer": tr, "batch": _batch(config.vocab_size, mb, seq, accum, 0), "ratios": [],
-                          "times": []}
+                          "times": [], "ir": _traced(config, spec), "fresh": []}
             print(f"{name}: {tr.plan.ir.model} mb {mb} x {seq}, {accum} micro-batch(es), budget "
                   f"{budget / MiB:.0f} MiB, {tr.plan.n_slots} slot(s), predicted "
                   f"{tr.plan.step_time_s * 1e3:.1f} ms", flush=True)
         for r in range(args.rounds + 1):
             for run in runs.values():
                 tr = run["trainer"]
+                fresh = _fresh_prediction(run, machine, args.repeats) if r and args.reprobe else None
                 first = tr.engine.step_index
                 for _ in range(args.steps + 1):
                     tr.train_step(run["batch"])
@@ -119,6 +140,8 @@ def main(argv=None) -> int:
                 if r:  # round 0 warms up
                     run["times"] += periods
                     run["ratios"].append(statistics.median(periods) / tr.plan.step_time_s)
+                    if fresh is not None:
+                        run["fresh"].append(statistics.median(periods) / fresh)
             print(f"round {r} done ({time.perf_counter() - t0:.0f} s)", flush=True)
         rows = []
         for name, run in runs.items():
@@ -130,13 +153,18 @@ def main(argv=None) -> int:
                          "budget_mib": CASES[name][4] / MiB, "slots": p.n_slots,
                          "predicted_ms": p.step_time_s * 1e3, "measured_ms": measured * 1e3,
                          "ratio": measured / p.step_time_s, "ratio_min": min(run["ratios"]),
-                         "ratio_max": max(run["ratios"])})
+                         "ratio_max": max(run["ratios"]),
+                         "fresh_ratio": statistics.median(run["fresh"]) if run["fresh"] else None,
+                         "fresh_ratios": run["fresh"]})
+    fresh = " | measured/fresh-probe predicted (median; per round) |" if args.reprobe else " |"
     print("\n| case | model | micro-batches | budget | slots | predicted ms | measured ms | measured/predicted "
-          "| per-round range |\n|---|---|---|---|---|---|---|---|---|")
+          f"| per-round range{fresh}\n|---|---|---|---|---|---|---|---|---|{'---|' if args.reprobe else ''}")
     for x in rows:
+        extra = (f" {x['fresh_ratio']:.2f}; {', '.join(f'{v:.2f}' for v in x['fresh_ratios'])} |"
+                 if args.reprobe else "")
         print(f"| {x['case']} | {x['model']} | {x['grad_accum']} x {x['micro_batch']}x{x['seq_len']} | "
               f"{x['budget_mib']:.0f} MiB | {x['slots']} | {x['predicted_ms']:.1f} | {x['measured_ms']:.1f} | "
-              f"**{x['ratio']:.2f}** | {x['ratio_min']:.2f}-{x['ratio_max']:.2f} |")
+              f"**{x['ratio']:.2f}** | {x['ratio_min']:.2f}-{x['ratio_max']:.2f} |{extra}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

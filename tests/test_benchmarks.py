@@ -21,10 +21,11 @@ def test_bench_prediction_probes_plans_and_measures(tmp_path, monkeypatch, capsy
     monkeypatch.setenv("MEGATRAIN_PROFILES", str(tmp_path / "profiles"))
     out = tmp_path / "pred.json"
     assert _bench("bench_prediction").main(["--cases", "tiny-1", "--rounds", "1", "--steps", "1", "--repeats", "1",
-                                            "--out", str(out)]) == 0
+                                            "--reprobe", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())
     assert row["case"] == "tiny-1" and row["predicted_ms"] > 0 and row["measured_ms"] > 0
     assert row["ratio"] == pytest.approx(row["measured_ms"] / row["predicted_ms"])
+    assert len(row["fresh_ratios"]) == 1 and row["fresh_ratio"] == row["fresh_ratios"][0] > 0  # one fresh probe
     assert "| tiny-1 |" in capsys.readouterr().out
     assert len(list((tmp_path / "profiles").glob("hardware-*.json"))) == 1  # the probe was cached
 
