@@ -39,6 +39,7 @@ SOURCE = Path(__file__).with_name("host_kernel.c")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "--param", "vect-epilogues-nomask=0", "-fPIC",
          "-shared"]
 BLOCK = 256  # host_kernel.c BLOCK: pieces split between threads start at multiples of it
+BUILD_TIMEOUT_S = 300  # a compiler that hangs costs the run this much, then the torch path
 MIN_PIECE = 1 << 18  # elements: smaller tensors are not split between threads
 MOMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 # Per torch CPU capability, the granularity of fused AdamW's vector path: the last (numel mod it) elements of a
@@ -83,7 +84,7 @@ def _build() -> Path:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, or $CC) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False).stdout
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False, timeout=30).stdout
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(),
                                      _cpu().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"host_kernel-{key}.so"
@@ -93,7 +94,8 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+        run = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                             timeout=BUILD_TIMEOUT_S)
         if run.returncode != 0:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:500]}")
         os.replace(tmp, out)
@@ -113,7 +115,7 @@ def _load() -> None:
         return
     try:
         lib = ctypes.CDLL(str(_build()))
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _state["why_not"] = f"could not build {SOURCE.name}: {e}"
         return
     lib.mt_adamw.restype = None
