@@ -7,15 +7,19 @@ sim device, CUDA on a GPU), whose kernels fuse the elementwise work, so results 
 round-off, not bit for bit (tests/runtime/test_compiled.py). Try it: `megatrain train --model tiny --device
 sim --gpu-mem 6MiB --seq-len 64 --micro-batch 2 --compile-units`.
 
-What is compiled: a template's plain call (forward without or with autograd, the recompute of a backward,
-validation); a call with a mode (a depth mixing's record / rebuild / side) runs eagerly, as does every unit
+What is compiled: a block template's plain call (forward without or with autograd, the recompute of a
+backward, validation). The embedding (a lookup: nothing to fuse) and the head run eagerly: compiled, the head's
+graph saved its logits for backward where the eager loss chunks keep them from living at once (measured on
+tiny: 131 kB over the plan's peak; at a 128k vocabulary and 8k tokens that is GiBs), so the plan's memory
+timeline, which the eager trace gives, would not hold. A call with a mode (a depth mixing's record / rebuild / side) runs eagerly, as does every unit
 of an MoE model (its routing reads row counts on the host and uses context variables, which break graphs
 and would recompile per routing). Each template's function is a code object of its own, so dynamo's cache
 of recompiles per function (grad mode, train/eval) is per template, not shared by all of them.
 
-Cost: the first step compiles (tens of seconds on 2 cores for a small model, once per template and mode) and
-the compiled graphs' saved activations may differ from the eager trace the plan's memory timeline comes
-from. Off by default: measured 4-21% faster per step at 2 threads and within noise at 1 on the 2-core test
+Cost: the first step compiles (tens of seconds on 2 cores for a small model, once per template and mode).
+Memory: the compiled blocks' saved activations are inductor's choice, not the eager trace's the plan's
+timeline comes from; measured, they are fewer (tests/runtime/test_compiled.py asserts the device peak stays
+within the plan's), an upper bound the partitioner's recompute-cheap-ops default keeps but does not promise. Off by default: measured 4-21% faster per step at 2 threads and within noise at 1 on the 2-core test
 VM (docs/RESULTS.md, issue 20), which does not pay for the toolchain it needs and the compile time.
 """
 
@@ -68,8 +72,11 @@ def check_toolchain(kind: str) -> None:
                          "PATH: torch.compile builds CPU kernels with it; install one or drop --compile-units")
 
 
+EAGER_TEMPLATES = ("embed", "head")  # a lookup, and a loss whose chunking exists to bound its memory
+
+
 def runners(config: ModelConfig, templates: dict[str, nn.Module], compile_units: bool) -> dict[str, Callable]:
     """template name -> the callable the engine runs it with (module docstring)."""
     if not compile_units or config.moe is not None:
         return {name: run_unit for name in templates}
-    return {name: _compiled(name, t) for name, t in templates.items()}
+    return {name: run_unit if name in EAGER_TEMPLATES else _compiled(name, t) for name, t in templates.items()}
