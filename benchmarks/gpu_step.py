@@ -68,6 +68,7 @@ def _rss_bytes() -> int:
 def run_case(case: str, args) -> dict:
     from megatrain.ir.trace import trace
     from megatrain.planner import TrainSpec, parse_bytes, plan, resolve_hardware
+    from megatrain.runtime import host_kernel
     from megatrain.runtime.trainer import Trainer, available_host_bytes
 
     config, seq = parse_case(case, args.seq_len)
@@ -116,6 +117,7 @@ def run_case(case: str, args) -> dict:
                 "mfu": flops / step_s / peak_flops if peak_flops else None,
                 **t.device.memory_report(), **t.planned_memory(),
                 "host_rss_bytes": _rss_bytes(), "cpu": t.device.cpu.describe(),
+                "host_optimizer": host_kernel.why_not() or "one pass (runtime/host_kernel.c)",
                 "busy_share": busy_shares(t.engine.measured_spans(), sum(times)),
                 "time_ratio_measured_over_predicted": step_s / p.step_time_s}
 
