@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -57,6 +58,7 @@ class Hyper(ctypes.Structure):
 
 
 _state: dict = {}  # "lib", "lanes", "why_not", "pool", "pool_size"
+_lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
@@ -134,12 +136,16 @@ def _load() -> None:
 
 
 def available() -> bool:
-    if "why_not" not in _state and "lib" not in _state:
-        _state["why_not"] = None
-        _load()
-        if _state.get("why_not"):
-            log.warning("host optimizer: the one-pass kernel is off (%s); torch ops give the same bits, slower",
-                        _state["why_not"])
+    """Whether steps run through the kernel: built, loaded and checked on the first call (once per process;
+    a second thread asking meanwhile waits for the answer)."""
+    if "why_not" not in _state:
+        with _lock:
+            if "why_not" not in _state:
+                _load()
+                _state.setdefault("why_not", None)
+                if _state["why_not"]:
+                    log.warning("host optimizer: the one-pass kernel is off (%s); torch ops give the same bits, "
+                                "slower", _state["why_not"])
     return "lib" in _state
 
 
