@@ -102,6 +102,25 @@ class UnitIR(IRModel):
         """Parameters this unit owns (tied ones are counted at their owner)."""
         return sum(p.numel for p in self.params if p.name not in self.tied)
 
+    def host_params(self) -> tuple[ParamSlice, ...]:
+        """The owned parameters where the host holds them (fp32 master, moments): at their flat-buffer offsets,
+        or for a unit holding tied parameters back to back without them (a tied one lives at its owner, so
+        the host keeps no master or moments for it here)."""
+        if not self.tied:
+            return self.params
+        out, at = [], 0
+        for p in self.params:
+            if p.name not in self.tied:
+                out.append(p.replace(offset=at))
+                at += p.numel
+        return tuple(out)
+
+    @property
+    def host_numel(self) -> int:
+        """Elements of the unit's host master and of each moment: the flat buffer (padding included, so an fp32
+        master crosses the link as it is), or only the owned parameters of a unit holding tied ones."""
+        return self.flat_numel if not self.tied else self.n_params
+
     def param_bytes(self, dtype: str) -> int:
         """Bytes of the flat buffer in `dtype`: what one transfer moves."""
         return self.flat_numel * dtype_bytes(dtype)

@@ -175,10 +175,10 @@ def host_layout(ir: ModelIR, policy: HostPolicy, assignment: Sequence[int],
     for u in ir.units:
         owned = [p.numel for p in u.params if p.name not in u.tied]
         if fp32_compute:
-            pinned["master_fp32"].append(4 * u.flat_numel)
+            pinned["master_fp32"].append(4 * u.host_numel)
         else:
-            out["master_fp32"] += 4 * u.flat_numel
-        out["moments"] += policy.moment_state_bytes(owned, u.flat_numel)
+            out["master_fp32"] += 4 * u.host_numel
+        out["moments"] += policy.moment_state_bytes(owned, u.host_numel)
         out["step_counts"] += 4 * len(owned)
         if u.buffers:
             pinned["unit_buffers"].append(u.buffer_bytes)

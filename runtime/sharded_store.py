@@ -64,19 +64,19 @@ class ShardedHostStore(HostStore):
         for st in self.units.values():
             names = [f"{st.unit.name}.{p.name}" for p in st.owned]
             weights = init_weights(self.config, seed, names)
-            for p, name in zip(st.owned, names):
+            for p, v, name in zip(st.owned, st.master_views(), names):
                 a = self.start(st.unit.name, p)
-                st.master[p.offset : p.offset + p.numel].copy_(weights[name].reshape(-1)[a : a + p.numel])
+                v.copy_(weights[name].reshape(-1)[a : a + p.numel])
 
     def load_state(self, weights: dict[str, torch.Tensor]) -> None:
         """Set this rank's part of the masters from eager-named whole fp32 tensors (any subset of them)."""
         self._invalidate()
         for st in self.units.values():
-            for p in st.owned:
+            for p, v in zip(st.owned, st.master_views()):
                 w = weights.get(f"{st.unit.name}.{p.name}")
                 if w is not None:
                     a = self.start(st.unit.name, p)
-                    st.master[p.offset : p.offset + p.numel].copy_(w.reshape(-1)[a : a + p.numel])
+                    v.copy_(w.reshape(-1)[a : a + p.numel])
 
     def named_master(self) -> dict[str, torch.Tensor]:
         raise ValueError("a sharded store holds slices of its parameters: use full_master() (on every rank) for "
@@ -110,11 +110,12 @@ class ShardedHostStore(HostStore):
                 S = st.unit.flat_numel
                 flat[self.rank * S : (self.rank + 1) * S].copy_(st.master)
                 self.comm.all_gather_shards(flat, f"gather the masters of {u.name}", group="main")
-            else:
-                flat = st.master.clone()
-            for p in u.params:
-                if p.name not in u.tied:
-                    out[f"{u.name}.{p.name}"] = flat[p.offset : p.offset + p.numel].view(p.shape)
+                for p in u.params:
+                    if p.name not in u.tied:
+                        out[f"{u.name}.{p.name}"] = flat[p.offset : p.offset + p.numel].view(p.shape)
+            else:  # replicated: the whole unit is here, in its host layout
+                for p, v in zip(st.owned, st.master_views()):
+                    out[f"{u.name}.{p.name}"] = v.clone().view(p.shape)
         return out
 
     def full_buffers(self) -> dict[str, torch.Tensor]:

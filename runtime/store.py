@@ -18,8 +18,9 @@ moments. Without a program (tests of the math) every unit has a gradient buffer 
 
 Tied parameters (the LM head sharing the embedding) are owned by one unit: its master and moments live
 there; a borrower's load takes the tied slices from the owner's master, and its gradient is added to the
-owner's at the owner's step (or at clip_grads). Its own flat buffer keeps the (unused) tied slices: offsets
-stay the IR's. NOTE: under a policy holding bf16 gradients that sum adds two bf16 gradients where the eager
+owner's at the owner's step (or at clip_grads). The borrower's master and moments hold only its owned
+parameters, back to back (UnitIR.host_params: for Llama-3.2-3B's head that leaves out 394M elements, 4.7 GB
+of fp32 master and moments); its gradient buffer keeps the device's flat layout, tied slice included. NOTE: under a policy holding bf16 gradients that sum adds two bf16 gradients where the eager
 reference rounds the fp32 sum once, so a tied model under bf16 or fp8 matches it to bf16 round-off, not bit
 for bit (untied models are bit-exact under every policy; tied ones under exact and bf16-moments are as
 before: tests/runtime/test_exactness.py).
@@ -79,7 +80,8 @@ class UnitState:
     def __init__(self, unit: UnitIR, bufs: dict[str, torch.Tensor], policy: HostPolicy, norms: torch.Tensor):
         name = unit.name
         self.unit = unit
-        self.owned = [p for p in unit.params if p.name not in unit.tied]
+        self.owned = [p for p in unit.params if p.name not in unit.tied]  # at their flat-buffer (device) offsets
+        self.host = list(unit.host_params())  # the same parameters at their offsets in master and moments
         self.decay = [decays(f"{name}.{p.name}", p.shape) for p in self.owned]  # AdamW's weight-decay groups
         self.master = bufs[f"master.{name}"]
         self.master.zero_()
@@ -87,7 +89,7 @@ class UnitState:
         m.zero_()
         v.zero_()
         self.moments = [Moments(m[p.offset : p.offset + p.numel], v[p.offset : p.offset + p.numel])
-                        for p in self.owned]
+                        for p in self.host]
         if policy.moments == "fp8":
             scales = bufs[f"scales.{name}"]
             scales.zero_()
@@ -108,7 +110,12 @@ class UnitState:
         self.bound: float | None = None  # an upper bound on every |master| (None: not known; one pass finds it)
 
     def views(self, flat: torch.Tensor, params: list[ParamSlice] | None = None) -> list[torch.Tensor]:
+        """The owned parameters' slices of a buffer in the device's flat layout (a gradient)."""
         return [flat[p.offset : p.offset + p.numel] for p in (params if params is not None else self.owned)]
+
+    def master_views(self) -> list[torch.Tensor]:
+        """The owned parameters' fp32 masters (host layout)."""
+        return [self.master[p.offset : p.offset + p.numel] for p in self.host]
 
 
 class HostStore:
@@ -182,7 +189,7 @@ class HostStore:
         """Every host buffer of the run: what planner/host_policy.py `host_layout` counts."""
         pol, fp32, out = self.policy, self.compute_dtype == torch.float32, []
         for u in self.ir.units:
-            n, owned = u.flat_numel, [p for p in u.params if p.name not in u.tied]
+            n, owned = u.host_numel, [p for p in u.params if p.name not in u.tied]
             out.append(HostBuffer(f"master.{u.name}", "master_fp32", (n,), torch.float32, pinned=fp32))
             for kind in ("exp_avg", "exp_avg_sq"):
                 out.append(HostBuffer(f"{kind}.{u.name}", "moments", (n,), moment_dtype(pol), pinned=False))
@@ -226,15 +233,15 @@ class HostStore:
         for st in self.units.values():
             names = [f"{st.unit.name}.{p.name}" for p in st.owned]
             weights = init_weights(self.config, seed, names)
-            for p, name in zip(st.owned, names):
-                st.master[p.offset : p.offset + p.numel].copy_(weights[name].reshape(-1))
+            for v, name in zip(st.master_views(), names):
+                v.copy_(weights[name].reshape(-1))
 
     def load_state(self, weights: dict[str, torch.Tensor]) -> None:
         """Set master weights from eager-named fp32 tensors (tests, checkpoint import)."""
         self._invalidate()
         for st in self.units.values():
-            for p in st.owned:
-                st.master[p.offset : p.offset + p.numel].copy_(weights[f"{st.unit.name}.{p.name}"].reshape(-1))
+            for p, v in zip(st.owned, st.master_views()):
+                v.copy_(weights[f"{st.unit.name}.{p.name}"].reshape(-1))
 
     def _invalidate(self) -> None:
         """Masters may be written through views handed out: their norms must be taken again."""
@@ -250,7 +257,7 @@ class HostStore:
         st = self.units[unit]
         st.bound = None
         out: dict[str, torch.Tensor] = {}
-        for p, v in zip(st.owned, st.views(st.master)):
+        for p, v in zip(st.owned, st.master_views()):
             out[f"master/{unit}.{p.name}"] = v.view(p.shape)
         for kind in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
             for p, mom in zip(st.owned, st.moments):
@@ -272,23 +279,26 @@ class HostStore:
         """Eager-named views of the fp32 masters (owned parameters only)."""
         self._invalidate()
         return {f"{st.unit.name}.{p.name}": v.view(p.shape)
-                for st in self.units.values() for p, v in zip(st.owned, st.views(st.master))}
+                for st in self.units.values() for p, v in zip(st.owned, st.master_views())}
 
     # -- what the engine's copies read and write -----------------------------------------------------------------
     def _load_sources(self, u: UnitIR) -> list[tuple[int, int, torch.Tensor]]:
         """(start, end, fp32 source) segments of `u`'s flat buffer: the whole master, or for a unit holding
-        tied parameters each parameter from its own or its owner's master."""
-        st_master = self.units[u.name].master
+        tied parameters each parameter from its own master or its owner's (the host layout: host_params)."""
+        st = self.units[u.name]
         if not u.tied:
-            return [(0, u.flat_numel, st_master)]
+            return [(0, u.flat_numel, st.master)]
+        own = {p.name: v for p, v in zip(st.owned, st.master_views())}
         out = []
         for p in u.params:
             ref = u.tied.get(p.name)
             if ref:
                 owner = self.units[self._owner(ref)]
-                out.append((p.offset, p.offset + p.numel, owner.master[self._slice(ref, owner)]))
+                pname = ref[len(owner.unit.name) + 1 :]
+                src = next(v for q, v in zip(owner.owned, owner.master_views()) if q.name == pname)
             else:
-                out.append((p.offset, p.offset + p.numel, st_master[p.offset : p.offset + p.numel]))
+                src = own[p.name]
+            out.append((p.offset, p.offset + p.numel, src))
         return out
 
     def load_params(self, unit: str, dst: torch.Tensor, device) -> None:
@@ -430,7 +440,7 @@ class HostStore:
                 self._merged.discard(unit)
             return
         growth = self._growth(st, lr)
-        adamw_step(self.policy, st.views(st.master), st.views(st.grad), st.moments, st.steps, self.optim, lr,
+        adamw_step(self.policy, st.master_views(), st.views(st.grad), st.moments, st.steps, self.optim, lr,
                    st.decay, self.clip_coef)
         if st.bound is not None:
             st.bound = st.bound * growth[0] + growth[1]  # what the update can do to any weight: no pass over them
@@ -454,7 +464,7 @@ class HostStore:
         if not st.owned:
             return False
         if st.bound is None:
-            st.bound = math.hypot(*(_norm(v) for v in st.views(st.master)))
+            st.bound = math.hypot(*(_norm(v) for v in st.master_views()))
         a, b = self._growth(st, lr)
         return not st.bound * a + b < SAFE_MAX
 

@@ -99,6 +99,29 @@ def test_allocated_host_bytes_equal_the_plan(policy, dtype, clip):
         assert sum(seen.values()) == store.host_bytes()
 
 
+@pytest.mark.parametrize("policy", ["exact", "fp8"])
+def test_a_tied_head_holds_no_host_state_for_the_shared_weight(policy):
+    """The head borrows the embedding's weight: its master and moments hold only its own parameters (the
+    final norm), while its gradient buffer keeps the tied slice the embedding's gradient takes; the host bytes
+    still equal the plan's, and training under it still equals eager (tests/runtime/test_exactness.py)."""
+    config = ModelConfig(**{**TINY.model_dump(), "n_layers": 2, "tie_embeddings": True})
+    train = _train(2, 1.0)
+    ir = trace(config, 2, 64, train.dtype, target="cpu")
+    head = ir.units[-1]
+    assert head.tied and head.host_numel == head.n_params <= head.flat_numel - config.vocab_size * config.d_model
+    p = next(iter(plans_by_shape(config, train, budgets_mib=(64,), host_policy=policy).values()))
+    with SimDevice(p.gpu_budget_bytes) as dev:
+        store = HostStore(ir, train, policy=policy, program=p.program, device=dev.kind)
+        Engine(ir, p.program, dev, store)
+        st = store.units[head.name]
+        assert st.master.numel() == head.n_params and st.moments[0].exp_avg.numel() == head.n_params
+        assert store.host_bytes() == p.host_bytes
+    untied = trace(ModelConfig(**{**config.model_dump(), "tie_embeddings": False}), 2, 64, train.dtype,
+                   target="cpu")
+    saved = untied.units[-1].host_numel - head.host_numel  # the vocab x d weight, less the alignment padding
+    assert saved >= config.vocab_size * config.d_model
+
+
 def _store_tensors(store):
     for st in store.units.values():
         yield st.master
