@@ -63,17 +63,34 @@ def stream_bandwidth(torch, nbytes: int, repeats: int) -> float:
     return max(2 * nbytes / scale, 3 * nbytes / add)
 
 
-def policy_rates(n: int, repeats: int) -> dict[str, float]:
+def policy_rates(n: int, repeats: int, threads: int | None = None) -> dict[str, float]:
     """Each host policy's optimizer step in its traffic bytes/s (what costs.py divides by), unclipped under
-    its name and clipping under `NAME+clip` (a clipped step multiplies the gradient by the clip factor in
-    cache-sized chunks: the same traffic, more work)."""
+    its name and clipping under `NAME+clip` (the clip factor is applied inside the same pass: the same
+    traffic, a little more work), on `threads` intra-op threads (None: the calling thread's)."""
+    import torch
+
     from megatrain.runtime.host_state import step_rate  # NOTE: the kernels being measured are the runtime's
 
-    out = {}
-    for name in ADAMW_BYTES:
-        out[name] = step_rate(name, n, repeats) * ADAMW_BYTES[name]
-        out[f"{name}+clip"] = step_rate(name, n, repeats, clip=True) * ADAMW_BYTES[name]
-    return out
+    own = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        out = {}
+        for name in ADAMW_BYTES:
+            out[name] = step_rate(name, n, repeats) * ADAMW_BYTES[name]
+            out[f"{name}+clip"] = step_rate(name, n, repeats, clip=True) * ADAMW_BYTES[name]
+        return out
+    finally:
+        torch.set_num_threads(own)
+
+
+def host_optimizer_threads(device: str) -> int:
+    """The intra-op threads the host optimizer runs on in training on `device` (runtime/cpus.py: on cuda the
+    cores less the issuing and casting workers' and the main thread's, on the sim device half the calling
+    thread's), so the probe measures its rates as a run will step."""
+    from megatrain.runtime import cpus
+
+    return cpus.resolve("cuda" if device == "cuda" else "sim", bind=False).threads["host"]
 
 
 def _optimizer_path() -> str:
@@ -109,8 +126,9 @@ def probe(device: str = "auto", quick: bool = False) -> Hardware:
     copy_bw = nbytes / _best(lambda: dst.copy_(src), repeats, lambda: None)
     stream = stream_bandwidth(torch, nbytes, repeats)
     adam = _adamw(torch, (4 if quick else 16) * 2**20, repeats) * ADAMW_BYTES["exact"]
-    rates = policy_rates((4 if quick else 16) * 2**20, repeats)
-    host, path = _host_bytes(), _optimizer_path()
+    host_threads = host_optimizer_threads(device)
+    rates = policy_rates((4 if quick else 16) * 2**20, repeats, host_threads)
+    host, path = _host_bytes(), f"{_optimizer_path()} on {host_threads} thread(s), as training runs it"
     if cuda:
         props = torch.cuda.get_device_properties(0)
         pinned = torch.empty(nbytes * 4, dtype=torch.uint8, pin_memory=True)

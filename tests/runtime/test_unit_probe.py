@@ -73,3 +73,24 @@ def test_a_world_plans_without_a_nodes_cached_probe(profiles):
     tr.profile, tr.hardware, tr.compile_units, tr.comm = "auto", hardware_preset("cpu"), False, object()
     assert tr._profiled(ir, 1024) is tr.hardware  # each node has a cache of its own; the ranks must agree
     assert "in a world" in tr.profile_note
+
+
+def test_the_host_optimizer_rates_are_measured_on_the_threads_training_gives_it(monkeypatch):
+    """The hardware probe times each policy's step on the host optimizer's share of the threads (cpus.py),
+    not the main thread's count, and leaves the main thread's count as it was."""
+    import torch
+
+    from megatrain.planner import probe as probe_module
+    from megatrain.runtime import cpus
+
+    monkeypatch.setenv(cpus.HOST_THREADS_ENV, "1")
+    assert probe_module.host_optimizer_threads("cuda") == probe_module.host_optimizer_threads("cpu") == 1
+    monkeypatch.delenv(cpus.HOST_THREADS_ENV)
+    assert probe_module.host_optimizer_threads("cpu") == max(1, torch.get_num_threads() // 2)
+    seen = []
+    monkeypatch.setattr("megatrain.runtime.host_state.step_rate",
+                        lambda name, n, repeats, clip=False: seen.append(torch.get_num_threads()) or 1.0)
+    own = torch.get_num_threads()
+    rates = probe_module.policy_rates(1024, 1, threads=1)
+    assert set(seen) == {1} and torch.get_num_threads() == own
+    assert set(rates) == {k for n in probe_module.ADAMW_BYTES for k in (n, f"{n}+clip")}
