@@ -46,8 +46,10 @@ MOMENTS = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 # Per torch CPU capability, the granularity of fused AdamW's vector path: the last (numel mod it) elements of a
 # tensor take the scalar formulas. AVX-512: torch's loop runs 16 lanes, and its compiler vectorised the scalar
 # tail loop in 8 lanes, with the vector body's contraction (measured: tensors of 16k + 1..15 elements).
-# AVX2: torch's 8 lanes (not measured here; the self-check decides).
+# AVX2: torch's 8 lanes (not measured here). Where the first guess fails the self-check, the others are tried
+# in turn (a build whose compiler vectorised its tail otherwise); the check decides.
 LANES = {"AVX512": 8, "AVX2": 8}
+OTHER_LANES = (16, 4, 8, 1)
 
 
 class Hyper(ctypes.Structure):
@@ -126,13 +128,16 @@ def _load() -> None:
         return
     lib.mt_adamw.restype = None
     lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
-    _state.update(lib=lib, lanes=lanes)
     from .host_state import self_check  # NOTE: host_state imports this module; the check needs both paths
 
-    bad = self_check()
-    if bad:
-        _state.pop("lib")
-        _state["why_not"] = f"its bits differ from torch's on this machine ({bad})"
+    for guess in dict.fromkeys((lanes, *OTHER_LANES)):
+        _state.update(lib=lib, lanes=guess)
+        bad = self_check()
+        if not bad:
+            return
+    _state.pop("lib")
+    _state["why_not"] = f"its bits differ from torch's on this machine ({bad}, with the scalar tail at any of " \
+        f"{', '.join(str(n) for n in dict.fromkeys((lanes, *OTHER_LANES)))} lanes)"
 
 
 def available() -> bool:

@@ -154,3 +154,18 @@ def test_a_compiler_error_is_reported_not_raised(fresh_kernel, monkeypatch, tmp_
     assert not host_kernel.available()
     assert "could not build broken.c" in host_kernel.why_not()
     assert not list(fresh_kernel.glob("*.tmp"))
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_a_wrong_first_guess_of_the_tail_is_corrected_by_the_check(fresh_kernel, monkeypatch):
+    """Where the tail starts is measured per torch build: a wrong first guess is tried, refused by the check,
+    and the next guess that passes is kept; when none passes the kernel is off and says so."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    right = dict(host_kernel.LANES)[cap]
+    wrong = 16 if right != 16 else 4
+    monkeypatch.setitem(host_kernel.LANES, cap, wrong)
+    assert host_kernel.available() and host_kernel._state["lanes"] == right
+    host_kernel._state.clear()
+    monkeypatch.setattr(host_kernel, "OTHER_LANES", (wrong,))
+    assert not host_kernel.available()
+    assert "bits differ" in host_kernel.why_not() and f"any of {wrong} lanes" in host_kernel.why_not()
