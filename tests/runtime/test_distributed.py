@@ -73,7 +73,8 @@ def _assert_trained_alike(result: dict, model, losses, bit_exact: bool) -> None:
         torch.testing.assert_close(result["buffers"][name], buf.float(), rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _scenario(tmp_path, nproc: int, config: dict, train: dict, budget: int, delays=None, dense=True):
+def _scenario(tmp_path, nproc: int, config: dict, train: dict, budget: int, delays=None, dense=True,
+              collectives=("all_gather", "reduce_scatter")):
     batches = global_batches(config, train, 3)
     results = run_ranks("dist_workers:streamed", nproc, tmp_path, config=config, train=train, budget=budget,
                         batches=batches, delays=delays)
@@ -84,7 +85,7 @@ def _scenario(tmp_path, nproc: int, config: dict, train: dict, budget: int, dela
         assert all(torch.equal(res["master"][k], results[0]["master"][k]) for k in res["master"])  # one model
         if dense:  # MoE plans are an upper bound on the device (test_moe_exactness.py)
             assert res["peak"] == res["plan_peak"]
-    assert results[0]["collectives"] == ["all_gather", "reduce_scatter"]
+    assert results[0]["collectives"] == list(collectives)
     return results[0], model, losses
 
 
@@ -96,6 +97,17 @@ def test_two_ranks_train_as_one_over_the_global_batch(tmp_path):
         train = _train(grad_accum, clip)
         result, model, losses = _scenario(tmp_path, 2, config, train, 6 * MIB, delays)
         _assert_trained_alike(result, model, losses, bit_exact=exact)
+
+
+def test_two_ranks_with_a_tied_head(tmp_path):
+    """The tied embedding and head are replicated units whose host layout leaves the shared weight at its
+    owner (UnitIR.host_params): every rank allocates what the plan says and ends with the eager model."""
+    config = config_of(n_layers=2, tie_embeddings=True)
+    train = _train(2, 1.0)
+    # the replicated units' gradients are all-reduced, the sharded blocks' reduce-scattered
+    result, model, losses = _scenario(tmp_path, 2, config, train, 6 * MIB,
+                                      collectives=("all_gather", "all_reduce", "reduce_scatter"))
+    _assert_trained_alike(result, model, losses, bit_exact=False)
 
 
 def _case(case: str) -> tuple[dict, int]:
