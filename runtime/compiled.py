@@ -11,16 +11,17 @@ What is compiled: a block template's plain call (forward without or with autogra
 backward, validation). The embedding (a lookup: nothing to fuse) and the head run eagerly: compiled, the head's
 graph saved its logits for backward where the eager loss chunks keep them from living at once (measured on
 tiny: 131 kB over the plan's peak; at a 128k vocabulary and 8k tokens that is GiBs), so the plan's memory
-timeline, which the eager trace gives, would not hold. A call with a mode (a depth mixing's record / rebuild / side) runs eagerly, as does every unit
-of an MoE model (its routing reads row counts on the host and uses context variables, which break graphs
-and would recompile per routing). Each template's function is a code object of its own, so dynamo's cache
+timeline, which the eager trace gives, would not hold. A call with a mode (a depth mixing's record /
+rebuild / side) runs eagerly, as does every unit of an MoE model (its routing reads row counts on the host
+and uses context variables, which break graphs and would recompile per routing). Each template's function is a code object of its own, so dynamo's cache
 of recompiles per function (grad mode, train/eval) is per template, not shared by all of them.
 
 Cost: the first step compiles (tens of seconds on 2 cores for a small model, once per template and mode).
 Memory: the compiled blocks' saved activations are inductor's choice, not the eager trace's the plan's
 timeline comes from; measured, they are fewer (tests/runtime/test_compiled.py asserts the device peak stays
-within the plan's), an upper bound the partitioner's recompute-cheap-ops default keeps but does not promise. Off by default: measured 4-21% faster per step at 2 threads and within noise at 1 on the 2-core test
-VM (docs/RESULTS.md, issue 20), which does not pay for the toolchain it needs and the compile time.
+within the plan's), an upper bound the partitioner's recompute-cheap-ops default keeps but does not promise.
+Off by default: measured 4-21% faster per step at 2 threads and within noise at 1 on the 2-core test VM
+(docs/RESULTS.md, issue 20), which does not pay for the toolchain it needs and the compile time.
 """
 
 from __future__ import annotations

@@ -112,6 +112,15 @@ static inline float scaled(float g, int mode, float factor) {
     return mode == 2 ? g / factor : g * factor;
 }
 
+/* Elements [FROM, TO) through the element function FN (adam_vec1 or adam_tail1), in place. */
+#define ELEMENTS(FN, FROM, TO, LOADG, LOADM, STOREM)                                                         \
+    for (int64_t i = FROM; i < TO; i++) {                                                                   \
+        float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                           \
+        FN(p + i, scaled(LOADG(g[i]), mode, factor), &mi, &vi, c);                                          \
+        m[i] = STOREM(mi);                                                                                  \
+        v[i] = STOREM(vi);                                                                                  \
+    }
+
 /* fp32 or bf16 moments, fp32 or bf16 gradients: one loop over [a, b), all in place. The loop body is inlined
  * with the gradient scale's operation as a constant (INLINE + SPECIALISE). */
 #define INLINE static inline __attribute__((always_inline))
@@ -119,18 +128,8 @@ static inline float scaled(float g, int mode, float factor) {
     INLINE void NAME##_body(float *restrict p, const GT *restrict g, MT *restrict m, MT *restrict v,        \
                             int64_t a, int64_t b, int64_t nvec, const Coef *c, int mode, float factor) {    \
         int64_t split = nvec < a ? a : nvec > b ? b : nvec;                                                 \
-        for (int64_t i = a; i < split; i++) {                                                               \
-            float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                       \
-            adam_vec1(p + i, scaled(LOADG(g[i]), mode, factor), &mi, &vi, c);                               \
-            m[i] = STOREM(mi);                                                                              \
-            v[i] = STOREM(vi);                                                                              \
-        }                                                                                                   \
-        for (int64_t i = split; i < b; i++) {                                                               \
-            float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                       \
-            adam_tail1(p + i, scaled(LOADG(g[i]), mode, factor), &mi, &vi, c);                              \
-            m[i] = STOREM(mi);                                                                              \
-            v[i] = STOREM(vi);                                                                              \
-        }                                                                                                   \
+        ELEMENTS(adam_vec1, a, split, LOADG, LOADM, STOREM)                                                 \
+        ELEMENTS(adam_tail1, split, b, LOADG, LOADM, STOREM)                                                \
     }                                                                                                       \
     static void NAME(float *p, const GT *g, MT *m, MT *v, int64_t a, int64_t b, int64_t nvec, const Coef *c, \
                      int mode, float f) {                                                                   \

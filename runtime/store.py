@@ -20,8 +20,9 @@ Tied parameters (the LM head sharing the embedding) are owned by one unit: its m
 there; a borrower's load takes the tied slices from the owner's master, and its gradient is added to the
 owner's at the owner's step (or at clip_grads). The borrower's master and moments hold only its owned
 parameters, back to back (UnitIR.host_params: for Llama-3.2-3B's head that leaves out 394M elements, 4.7 GB
-of fp32 master and moments); its gradient buffer keeps the device's flat layout, tied slice included. NOTE: under a policy holding bf16 gradients that sum adds two bf16 gradients where the eager
-reference rounds the fp32 sum once, so a tied model under bf16 or fp8 matches it to bf16 round-off, not bit
+of fp32 master and moments); its gradient buffer keeps the device's flat layout, tied slice included.
+NOTE: under a policy holding bf16 gradients that sum adds two bf16 gradients where the eager reference rounds
+the fp32 sum once, so a tied model under bf16 or fp8 matches it to bf16 round-off, not bit
 for bit (untied models are bit-exact under every policy; tied ones under exact and bf16-moments are as
 before: tests/runtime/test_exactness.py).
 
@@ -116,6 +117,11 @@ class UnitState:
     def master_views(self) -> list[torch.Tensor]:
         """The owned parameters' fp32 masters (host layout)."""
         return [self.master[p.offset : p.offset + p.numel] for p in self.host]
+
+    def master_of(self, name: str) -> torch.Tensor:
+        """One owned parameter's fp32 master (host layout), by its name in the unit."""
+        p = next(q for q in self.host if q.name == name)
+        return self.master[p.offset : p.offset + p.numel]
 
 
 class HostStore:
@@ -288,16 +294,14 @@ class HostStore:
         st = self.units[u.name]
         if not u.tied:
             return [(0, u.flat_numel, st.master)]
-        own = {p.name: v for p, v in zip(st.owned, st.master_views())}
         out = []
         for p in u.params:
             ref = u.tied.get(p.name)
             if ref:
                 owner = self.units[self._owner(ref)]
-                pname = ref[len(owner.unit.name) + 1 :]
-                src = next(v for q, v in zip(owner.owned, owner.master_views()) if q.name == pname)
+                src = owner.master_of(self._ref_name(ref, owner))
             else:
-                src = own[p.name]
+                src = st.master_of(p.name)
             out.append((p.offset, p.offset + p.numel, src))
         return out
 
@@ -354,8 +358,14 @@ class HostStore:
         return max((n for n in self.units if ref.startswith(n + ".")), key=len)
 
     @staticmethod
-    def _slice(ref: str, owner: UnitState) -> slice:
-        pname = ref[len(owner.unit.name) + 1 :]
+    def _ref_name(ref: str, owner: UnitState) -> str:
+        """The parameter's name inside `owner` of a 'unit.param' reference."""
+        return ref[len(owner.unit.name) + 1 :]
+
+    @classmethod
+    def _slice(cls, ref: str, owner: UnitState) -> slice:
+        """Where a referenced parameter lies in its owner's flat (device-layout) buffer: its gradient."""
+        pname = cls._ref_name(ref, owner)
         p = next(q for q in owner.unit.params if q.name == pname)
         return slice(p.offset, p.offset + p.numel)
 
