@@ -159,38 +159,58 @@ static float block_amax(const float *x, int n) {
     return from_bits(top);
 }
 
-/* fp32 block -> fp8 and its scale = amax / 448 (host_state._quant). */
+/* f32_to_fp8 of a finite y, clamped to +-448 first: the magnitude is clamped as an integer (finite floats'
+ * magnitudes order as their bits do), so nothing saturates or is NaN, and the rounding is c10's normal or
+ * subnormal one. */
+static inline uint32_t finite_to_fp8(float y) {
+    const uint32_t denorm_mask = 141u << 23, top = 0x43E00000u; /* 448.0f */
+    uint32_t u = bits(y) & 0x7FFFFFFFu;
+    const uint32_t sign = (bits(y) >> 24) & 0x80u;
+    u = u < top ? u : top;
+    const uint32_t sub = bits(from_bits(u) + from_bits(denorm_mask)) - denorm_mask;
+    const uint32_t normal = (u + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((u >> 20) & 1)) >> 20;
+    return (u < (121u << 23) ? sub : normal) | sign;
+}
+
+/* fp32 block -> fp8 and its scale = amax / 448 (host_state._quant): x / scale clamped to +-448 and rounded. A
+ * finite block (amax finite) takes finite_to_fp8, 1.7x faster than c10's whole conversion, which a block
+ * holding a NaN or an inf takes. */
 static void store_fp8(const float *x, int n, uint8_t *q, float *scale) {
-    float s = block_amax(x, n) / 448.0f, d = s > 0 ? s : 1.0f;
+    const float amax = block_amax(x, n), s = amax / 448.0f, d = s > 0 ? s : 1.0f;
     *scale = s;
+    if (amax <= 0x1.fffffep127f) {
+        for (int i = 0; i < n; i++) q[i] = (uint8_t)finite_to_fp8(x[i] / d);
+        return;
+    }
     for (int i = 0; i < n; i++) {
         const float y = x[i] / d, lo = y < -448.0f ? -448.0f : y;
         q[i] = f32_to_fp8(lo > 448.0f ? 448.0f : lo);
     }
 }
 
-/* fp8 moments (with either gradient dtype): BLOCK at a time through fp32 locals, each block requantised. */
+/* fp8 moments (with either gradient dtype): BLOCK at a time, each element's gradient and moments expanded and
+ * updated in one pass into fp32 locals (FP8_ELEMENTS), then each block requantised. */
+#define FP8_ELEMENTS(FN, FROM, TO)                                                                          \
+    for (int i = FROM; i < TO; i++) {                                                                       \
+        const float gi = grad_bf16 ? bf16_to_f32(((const uint16_t *)grad)[a + i])                           \
+                                   : ((const float *)grad)[a + i];                                          \
+        const float x = fp8_to_f32(v[a + i]) * vs;                                                          \
+        float mi = fp8_to_f32(m[a + i]) * ms, vi = (x >= tiny) | (x != x) ? x : tiny;                       \
+        FN(p + a + i, scaled(gi, mode, factor), &mi, &vi, c);                                               \
+        mf[i] = mi;                                                                                         \
+        vf[i] = vi;                                                                                         \
+    }
 INLINE void loop_fp8_body(int grad_bf16, float *p, const void *grad, uint8_t *m, uint8_t *v, float *m_scale,
                           float *v_scale, int64_t begin, int64_t end, int64_t nvec, const Coef *cc, int mode,
                           float factor) {
     const Coef *c = cc;
-    float g[BLOCK], mf[BLOCK], vf[BLOCK];
+    float mf[BLOCK], vf[BLOCK];
     for (int64_t a = begin; a < end; a += BLOCK) {
         const int n = (int)(end - a < BLOCK ? end - a : BLOCK);
+        const int nv = nvec <= a ? 0 : nvec >= a + n ? n : (int)(nvec - a);
         const float ms = m_scale[a / BLOCK], vs = v_scale[a / BLOCK], tiny = vs * 0x1p-9f;
-        if (grad_bf16)
-            for (int i = 0; i < n; i++) g[i] = scaled(bf16_to_f32(((const uint16_t *)grad)[a + i]), mode, factor);
-        else
-            for (int i = 0; i < n; i++) g[i] = scaled(((const float *)grad)[a + i], mode, factor);
-        for (int i = 0; i < n; i++) {
-            float x = fp8_to_f32(v[a + i]) * vs;
-            mf[i] = fp8_to_f32(m[a + i]) * ms;
-            const int keep = (x >= tiny) | (x != x);
-            vf[i] = keep ? x : tiny;
-        }
-        int nv = nvec <= a ? 0 : nvec >= a + n ? n : (int)(nvec - a);
-        for (int i = 0; i < nv; i++) adam_vec1(p + a + i, g[i], mf + i, vf + i, c);
-        for (int i = nv; i < n; i++) adam_tail1(p + a + i, g[i], mf + i, vf + i, c);
+        FP8_ELEMENTS(adam_vec1, 0, nv)
+        FP8_ELEMENTS(adam_tail1, nv, n)
         store_fp8(mf, n, m + a, m_scale + a / BLOCK);
         store_fp8(vf, n, v + a, v_scale + a / BLOCK);
     }

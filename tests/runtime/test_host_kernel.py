@@ -79,6 +79,35 @@ def test_one_pass_equals_torch_ops(policy):
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_non_finite_and_overflowing_values_give_the_same_bits(policy):
+    """Blocks holding a NaN or an inf (fp8: the store's full conversion, not its finite fast path), gradients
+    whose squares overflow fp32, and ordinary blocks beside them in the same tensor."""
+    assert host_kernel.available(), host_kernel.why_not()
+    shapes = [(4 * FP8_BLOCK + 3,), (FP8_BLOCK - 5,)]
+    runs = []
+    for one_pass in (False, True):
+        gen, params, moments, steps = _state(policy, shapes, 3)
+        for k, clip in enumerate([None, torch.tensor(0.5), None]):
+            grads = [torch.randn(s, generator=gen) for s in shapes]
+            grads[0][FP8_BLOCK + 1] = float("nan") if k == 0 else 1.0
+            grads[0][2 * FP8_BLOCK + 7] = float("-inf") if k == 1 else -2.0
+            grads[0][3 * FP8_BLOCK : 3 * FP8_BLOCK + 9] *= 1e25  # squares beyond fp32: v is inf there
+            grads[1][-3:] *= 1e30
+            grads = [g.to(grad_dtype(policy)) for g in grads]
+            host_state._step(policy, params, grads, moments, steps, CFG, 3e-3, [True, False], clip, one_pass)
+        runs.append([*params, *(t for m in moments for t in m.tensors().values())])
+    # a NaN's sign and payload are not compared (torch's conversions keep them, c10's scalar ones do not):
+    # NaN where the other has NaN, every other element bit for bit
+    nan = [[torch.isnan(t.float()) for t in run] for run in runs]
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert torch.equal(nan[0][i], nan[1][i]), f"{policy}: NaNs of tensor {i}"
+        keep = ~nan[0][i]
+        _assert_same_bits([a[keep]], [b[keep]], f"{policy}: tensor {i}")
+    assert any(x.any() for x in nan[0]) and not all(x.all() for x in nan[0])  # not vacuous
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
 @pytest.mark.parametrize("policy", ["exact", "bf16"])
 def test_a_first_moment_weight_of_half_or_more_takes_torchs_other_lerp(policy):
     """beta1 < 0.5: torch computes the lerp as g - (g - m)(1 - w); so must the kernel."""
