@@ -125,6 +125,19 @@ def _is_user_error(e: BaseException) -> bool:
     return isinstance(e, (ValueError, OSError, *device_errors, *peer_errors))
 
 
+def _message(e: BaseException) -> str:
+    """One line for a user error. A pydantic ValidationError's own first line only counts its errors: name the
+    value, the field and what it accepts instead."""
+    errors = getattr(e, "errors", None)
+    if callable(errors) and type(e).__name__ == "ValidationError" and errors():
+        first = errors()[0]
+        field = ".".join(str(x) for x in first.get("loc", ()))
+        got = repr(first["input"])[:60] if "input" in first and not isinstance(first["input"], dict) else None
+        return (f"{getattr(e, 'title', 'value')}: {field + ': ' if field else ''}"
+                f"{first['msg'].removeprefix('Value error, ')}" + (f" (got {got})" if got else ""))
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def _run_file(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`megatrain train --config run.toml ...`: the run file's settings as flags before the user's own."""
     cmd = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
@@ -151,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if debug:
             traceback.print_exc()
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {_message(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -22,7 +22,7 @@ class RopeScaling(BaseModel):
     original_max_position / low_freq_factor are divided by `factor`, shorter than original / high_freq_factor
     kept, and those between interpolated smoothly."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     type: Literal["llama3"] = Field("llama3", description="the only scaling implemented: llama3")
     factor: float = Field(gt=0, description="how much longer the context is than the original")
@@ -41,7 +41,7 @@ class RopeScaling(BaseModel):
 class ModelConfig(BaseModel):
     """A decoder-only transformer: embed, `n_layers` blocks, head (final norm, LM head, loss)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: str = Field("custom", description="a label for tables and file names")
     vocab_size: int = Field(description="token vocabulary size")
@@ -65,6 +65,14 @@ class ModelConfig(BaseModel):
     depth_mixing: str = Field("residual", description="how sub-layers read and write the depth state: residual, "
                               "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
     moe: MoEConfig | None = Field(None, description="mixture-of-experts feed-forward (models/moe.py); None: dense")
+
+    @field_validator("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_size",
+                     "sliding_window", "max_seq_len", mode="before")
+    @classmethod
+    def _not_a_bool(cls, v: Any, info: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would read true as 1
+            raise ValueError(f"{info.field_name} must be an integer, got {str(v).lower()}")
+        return v
 
     @field_validator("head_size", "sliding_window")
     @classmethod

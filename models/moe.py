@@ -52,7 +52,7 @@ EC_EVALS = ("threshold", "topk")
 class MoEConfig(BaseModel):
     """Routed experts in every block's feed-forward (but the first, with dense_first). Defaults: the ET paper's."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     router: str = Field("et", description="et (expert threshold), tc (token choice top-k) or ec (expert "
                         "choice top-k over the micro-batch in training; see ec_eval for inference)")

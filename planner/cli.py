@@ -18,6 +18,8 @@ from .errors import InfeasiblePlanError
 from .hardware import PRESETS, Hardware, resolve_hardware
 from .train import TrainSpec
 
+RANK_TOLERANCE = 0.05  # plan --rank-tolerance's default
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register `plan`, `tune` and `probe` on the top-level CLI's subparsers."""
@@ -39,7 +41,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "time against the budget, above the busy intervals of each stream")
     p.add_argument("--depth-rank", metavar="auto|N", help="train with DepthSSD of rank N; auto: the largest N in "
                    "1,2,4,8,16 that fits the budget within --rank-tolerance of N=1's step time")
-    p.add_argument("--rank-tolerance", type=float, default=0.05, metavar="F",
+    p.add_argument("--rank-tolerance", type=float, default=RANK_TOLERANCE, metavar="F",
                    help="with --depth-rank auto: the step-time slowdown over N=1 allowed (default 0.05 = 5%%)")
     p.set_defaults(func=run_plan)
 
@@ -150,7 +152,8 @@ def _world(args: argparse.Namespace):
 
     from .world import World
 
-    nproc, nnodes = getattr(args, "nproc", None) or 1, getattr(args, "nnodes", None) or 1
+    nproc, nnodes = getattr(args, "nproc", None), getattr(args, "nnodes", None)
+    nproc, nnodes = 1 if nproc is None else nproc, 1 if nnodes is None else nnodes
     if nproc < 1 or nnodes < 1:
         raise ValueError(f"--nproc and --nnodes must be positive integers, got {nproc} and {nnodes}")
     try:
@@ -164,8 +167,12 @@ def _world(args: argparse.Namespace):
 
 def _hardware(args: argparse.Namespace) -> Hardware:
     hw = resolve_hardware(args.hardware)
-    if args.host_mem:
-        hw = hw.replace(host_memory_bytes=parse_bytes(args.host_mem))
+    if args.host_mem is not None:
+        host = parse_bytes(args.host_mem)
+        if host <= 0:
+            raise ValueError(f"--host-mem must be a positive size, e.g. 512GiB (the host memory training may use), "
+                             f"got {args.host_mem}")
+        hw = hw.replace(host_memory_bytes=host)
     return hw
 
 
@@ -214,6 +221,9 @@ def run_plan(args: argparse.Namespace) -> int:
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
     config, choice = _model(args), None
     world = _world(args)
+    if args.rank_tolerance != RANK_TOLERANCE and (args.depth_rank or "").strip() != "auto":
+        raise ValueError("--rank-tolerance applies to --depth-rank auto (how much slower than N=1 a chosen rank may "
+                         "be): add --depth-rank auto, or drop --rank-tolerance")
     if world is not None and args.depth_rank is not None:
         raise ValueError("--depth-rank and --nproc together are not supported: plan the chosen rank with "
                          "--depth-mixing depthssd:N --nproc R")
@@ -291,6 +301,8 @@ def run_tune(args: argparse.Namespace) -> int:
         mbs = [int(x) for x in _split(args.micro_batch, "--micro-batch")]
     except ValueError:
         raise ValueError(f"--micro-batch {args.micro_batch!r} must be comma-separated integers, e.g. 1,2,4") from None
+    for mb in mbs:
+        _train(args, mb)  # each size's settings checked up front, by flag
     train = _train(args, mbs[0])
 
     def trace_fn(model, mb, spec):
@@ -339,6 +351,13 @@ def run_probe(args: argparse.Namespace) -> int:
     from .probe import probe
 
     check_outputs({"--out": args.out}, {"--model": args.model if args.model and Path(args.model).exists() else None})
+    model_only = [flag for flag, value, default in (
+        ("--seq-len", args.seq_len, None), ("--micro-batch", args.micro_batch, 1), ("--dtype", args.dtype, "bf16"),
+        ("--host-policy", args.host_policy, "exact"), ("--repeats", args.repeats, 7),
+        ("--sim-threads", args.sim_threads, None), ("--no-cache", args.no_cache, False)) if value != default]
+    if args.model is None and model_only:
+        raise ValueError(f"{', '.join(model_only)} measure a model's units: add --model M (without it the probe "
+                         "measures the machine alone)")
     if args.model is None:
         hw = probe(device=args.device, quick=args.quick)
     else:

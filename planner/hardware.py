@@ -24,7 +24,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 
 from megatrain.files import read_json
 from megatrain.ir.base import IRModel
@@ -42,6 +42,8 @@ DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 class Hardware(IRModel):
     """One GPU and its host, as the cost model sees them. Rates are achievable, not nominal."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: str = Field(description="preset name or a label for a measured profile")
     device: Literal["cuda", "cpu"] = Field(
@@ -93,7 +95,19 @@ class Hardware(IRModel):
         if not isinstance(v, dict) or not all(isinstance(x, int | float) and not isinstance(x, bool)
                                               for x in v.values()):
             raise ValueError("expected an object of dtype names and FLOP/s, e.g. {\"bfloat16\": 7.4e14}")
+        for k, x in v.items():
+            if not (math.isfinite(x) and x > 0):
+                raise ValueError(f"{k} must be a finite FLOP/s > 0, e.g. 7.4e14, got {x}; measure it with "
+                                 "megatrain probe")
         return {DTYPE_ALIASES.get(k, k): float(x) for k, x in v.items()}
+
+    @field_validator("host_optimizer_bytes_per_s")
+    @classmethod
+    def _positive_rates(cls, v: dict[str, float]) -> dict[str, float]:
+        for k, x in v.items():
+            if not x > 0:
+                raise ValueError(f"{k} must be a rate > 0 bytes/s, got {x}; measure it with megatrain probe")
+        return v
 
     def flops(self, dtype: str) -> float:
         """Achievable matmul FLOP/s in `dtype`."""
@@ -124,9 +138,13 @@ class Hardware(IRModel):
     def describe(self) -> str:
         bf = self.matmul_flops.get("bfloat16")
         return (f"{self.name}: {format_bytes(self.gpu_memory_bytes)} GPU, "
-                f"{bf / 1e12:.0f} TFLOP/s bf16, " if bf else f"{self.name}: ") + (
+                f"{_flops(bf)} bf16, " if bf else f"{self.name}: ") + (
                 f"h2d {self.h2d_bytes_per_s / 1e9:.1f} GB/s, d2h {self.d2h_bytes_per_s / 1e9:.1f} GB/s, "
                 f"host {format_bytes(self.host_memory_bytes)} at {self.host_memory_bytes_per_s / 1e9:.0f} GB/s")
+
+
+def _flops(x: float) -> str:
+    return f"{x / 1e12:.0f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
 
 
 def _nominal(name: str, *, gpu_gib: float, bf16_tflops: float, fp32_tflops: float, link_gbs: float,
@@ -235,7 +253,8 @@ def load_hardware(path: str | Path) -> Hardware:
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(p) for p in err["loc"]) or "profile"
-        raise ValueError(f"hardware profile {path}: {loc}: {err['msg']}; see `megatrain probe --help`") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ValueError(f"hardware profile {path}: {loc}: {msg}; see `megatrain probe --help`") from None
 
 
 def resolve_hardware(name_or_path: str | Hardware) -> Hardware:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from megatrain.ir.base import IRModel
 
@@ -23,6 +23,8 @@ MAX_STEPS = 10**9
 
 class TrainSpec(IRModel):
     """Micro-batching, precision and the AdamW step (with an optional global-norm clip)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     micro_batch: int = Field(gt=0, le=MAX_MICRO_BATCH, description="sequences per micro-batch (the traced batch size)")
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN, description="tokens per sequence")

@@ -148,6 +148,19 @@ def step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def check_fresh_folder(root: Path, resumed_from: Path | None) -> None:
+    """A run writes (and prunes) checkpoints in `root`: refused where `root` holds another run's, i.e. any
+    checkpoint when the run starts fresh, or when it resumes from a checkpoint outside `root`."""
+    found = step_dirs(root)
+    if not found or (resumed_from is not None and Path(resumed_from).resolve().parent == root.resolve()):
+        return
+    latest = found[-1][1]
+    started = "resumes from " + str(resumed_from) if resumed_from is not None else "starts from scratch"
+    raise CheckpointError(f"{root} already holds checkpoints of another run (latest {latest.name}) and this run "
+                          f"{started}: its checkpoints would replace and prune them. Continue that run with "
+                          f"--resume {root}, or pass a new --checkpoint-dir")
+
+
 def find_checkpoint(path: str | Path) -> Path:
     """A checkpoint folder, or the latest checkpoint inside a folder of them."""
     path = Path(path)
@@ -167,8 +180,8 @@ def _earlier(ckpt: Path) -> str:
     """The fix for a bad checkpoint: the one before it, if any."""
     m = _STEP_DIR.fullmatch(ckpt.name)
     before = [p for s, p in step_dirs(ckpt.parent) if m and s < int(m.group(1))]
-    return (f"resume from the previous checkpoint with --resume {before[-1]}" if before
-            else "no earlier checkpoint is there to resume from: start the run again without --resume")
+    return (f"use the previous checkpoint, {before[-1]} (--resume or --checkpoint {before[-1]})" if before
+            else "no earlier checkpoint is there to use instead (a run starts again without --resume)")
 
 
 # -- checks against this run ------------------------------------------------------------------------------------
@@ -191,7 +204,9 @@ def check_train(manifest: dict, train, ckpt: Path) -> None:
     # a field the checkpoint predates had its default then (a newer megatrain added it)
     defaults = {k: to_jsonable_python(f.default) for k, f in type(train).model_fields.items() if not f.is_required()}
     theirs = {k: theirs.get(k, defaults.get(k)) for k in mine}
-    diffs = [f"{k} {theirs[k]!r} vs {v!r}" for k, v in mine.items() if theirs[k] != v]
+    flag = {"total_steps": "--steps", "warmup_steps": "--warmup"}  # the others: --field-name
+    diffs = [f"{flag.get(k, '--' + k.replace('_', '-'))} {theirs[k]!r} vs {v!r}" for k, v in mine.items()
+             if theirs[k] != v]
     if diffs:
         raise CheckpointError(
             f"{ckpt / MANIFEST}: the checkpoint was trained with other settings ({'; '.join(diffs)}: checkpoint "

@@ -60,7 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "post-warmup steps that decays (default 0.2)")
     t.add_argument("--seed", type=int, default=0, help="seed for init and data order (default 0)")
     t.add_argument("--data", metavar="FILE", type=input_path, help="training token file (default: the built-in corpus)")
-    t.add_argument("--val-data", metavar="FILE", type=input_path, help="validation token file (default: the built-in corpus's)")
+    t.add_argument("--val-data", metavar="FILE", type=input_path, help="validation token file (default: the built-in corpus's, "
+                   "when --data is not given)")
     t.add_argument("--pack", action=argparse.BooleanOptionalAction, default=None,
                    help="instruction data: pack several examples into each sequence, attending within each "
                    "(default), or --no-pack: one example per sequence, padded")
@@ -134,6 +135,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def _data_paths(args) -> tuple[str, str | None]:
     if args.data:
+        _need(args.val_data or not args.eval_every, f"--eval-every {args.eval_every} with --data needs --val-data FILE "
+              "(held-out tokens of the same data; `megatrain prepare` writes train.bin and val.bin)")
         return args.data, args.val_data
     from .corpus import cached_default_corpus
 
@@ -155,6 +158,8 @@ def _device_and_hardware(args) -> tuple[str, object]:
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "sim"
+    _need(device != "cuda" or torch.cuda.is_available(),
+          "--device cuda but torch sees no CUDA device; run on a GPU machine or use --device sim")
     # auto also plans with a cached probe of this machine's units when one exists (runtime/unit_probe.py)
     args.profile = "auto" if args.hardware == "auto" else "off"
     if args.hardware == "auto":
@@ -176,6 +181,8 @@ def _check_train_flags(args: argparse.Namespace) -> None:
     _need(args.log_every > 0, f"--log-every must be a positive integer, got {args.log_every}")
     _need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: no validation), got {args.eval_every}")
     _need(args.warmup is None or 0 <= args.warmup, f"--warmup must be >= 0 steps, got {args.warmup}")
+    _need(args.warmup is None or args.warmup <= args.steps, f"--warmup {args.warmup} is longer than the run (--steps "
+          f"{args.steps}): the learning rate would never reach --lr; lower --warmup or raise --steps")
     _need(0 <= args.seed < 2**63, f"--seed must be an integer in [0, 2**63), got {args.seed}")
     _need(math.isfinite(args.lr) and args.lr > 0, f"--lr must be a finite number > 0, e.g. 3e-4, got {args.lr}")
     _need(math.isfinite(args.weight_decay) and args.weight_decay >= 0,
@@ -216,6 +223,10 @@ def run_train(args: argparse.Namespace) -> int:
     from .distributed import Communicator, world_from_env
 
     size = world_from_env()
+    _need(all(v is None or v > 0 for v in (args.nproc, args.nnodes)),
+          f"--nproc and --nnodes must be positive integers, got {args.nproc} and {args.nnodes}")
+    _need(math.isfinite(args.dist_timeout) and args.dist_timeout > 0,
+          f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
     want = (args.nproc or 1, args.nnodes or 1)
     if size <= 1:
         _need(want == (1, 1), f"--nproc {want[0]} --nnodes {want[1]} trains several ranks: launch them with torchrun "
@@ -225,8 +236,6 @@ def run_train(args: argparse.Namespace) -> int:
     _need(args.nproc in (None, size) and args.nnodes in (None, size // max(local, 1)),
           f"--nproc {args.nproc} --nnodes {args.nnodes} but torchrun started {size} rank(s) on "
           f"{size // max(local, 1)} node(s): drop the flags or make them agree")
-    _need(math.isfinite(args.dist_timeout) and args.dist_timeout > 0,
-          f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
     device, hardware = _device_and_hardware(args)
     comm = Communicator.from_env(device, timeout_s=args.dist_timeout)
     with comm.guard():
@@ -254,6 +263,8 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
                   schedule=args.schedule, min_lr_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
     budget = parse_bytes(args.gpu_mem)
     ckpt_dir = args.checkpoint_dir
+    _need(ckpt_dir is None or args.checkpoint_every > 0, f"--checkpoint-dir {ckpt_dir} without --checkpoint-every N "
+          "would write no checkpoint: add --checkpoint-every N (a save every N steps and after the last)")
     if ckpt_dir is None and args.resume:  # new checkpoints go next to the one resumed from
         from .checkpoint import find_checkpoint
 
@@ -266,6 +277,7 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
               "--hardware": args.hardware if Path(args.hardware).exists() else None}
     check_outputs({"--metrics": args.metrics, "--trace": args.trace, "--plot": args.plot}, inputs,
                   {"--checkpoint-dir": ckpt_dir})
+    _check_metrics_file(args.metrics)
     if args.plot:
         from megatrain.plots import check_plot_path
 
@@ -355,12 +367,43 @@ def _plot_run(plan, spans: list[tuple], path: str) -> None:
     print(f"wrote plot of step {measured.step} to {path}")
 
 
+def _is_safetensors(path: Path) -> bool:
+    """Whether `path` starts as a safetensors file does: an 8-byte little-endian header size, then a JSON object
+    of that size within the file."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if not 2 <= n <= min(path.stat().st_size - 8, 100 * 2**20):
+            return False
+        try:
+            return isinstance(json.loads(f.read(n)), dict)
+        except (ValueError, RecursionError):
+            return False
+
+
+def _check_metrics_file(path: str | None) -> None:
+    """--metrics appends to a metrics log (a resumed run continues its own): a file that holds something else is
+    refused, untouched."""
+    if not path or not Path(path).is_file() or Path(path).stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        first = f.readline(1 << 16).strip()
+    try:
+        ok = isinstance(json.loads(first), dict)
+    except (ValueError, RecursionError):
+        ok = False
+    _need(ok, f"--metrics {path} exists and is not a metrics log (its first line is not a JSON record); the run "
+          "would append to it: choose another file")
+
+
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_model_dir, export_weights
 
     if Path(args.out).suffix == ".safetensors":
         check_outputs({"--out": args.out})
         out = check_output_file(args.out)
+        _need(not Path(out).is_file() or _is_safetensors(Path(out)), f"--out {args.out} exists and is not a "
+              "safetensors file, which an export would replace: choose another path, or remove it first")
         result = export_weights(args.checkpoint, out, dtype=args.dtype, names=args.names)
         print(f"wrote {result['tensors']} tensors ({result['params']:,} parameters, {args.dtype}, "
               f"{format_bytes(result['bytes'])}) of {result['checkpoint']} (step {result['step']}) to {out}")

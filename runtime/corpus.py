@@ -232,6 +232,8 @@ def prepare(inputs: list[str | Path] | None, out_dir: str | Path, val_fraction: 
     if any(jsonl) and not all(jsonl):
         raise DataError(f"{files[jsonl.index(False)]}: a text file among JSONL instruction files; prepare "
                         "instruction data (.jsonl) and text apart, into two --out folders")
+    if inputs is not None and not any(jsonl):
+        _check_text(files)
     out.mkdir(parents=True, exist_ok=True)
     split = {"seed": seed, "val_fraction": val_fraction}
     with _progress(progress, sum(p.stat().st_size for p in files), "tokenize") as bar:
@@ -251,6 +253,19 @@ def prepare(inputs: list[str | Path] | None, out_dir: str | Path, val_fraction: 
         val = write_token_file(out / "val.bin", _encoded(val_docs, tok, bar), source, tok,
                                split=f"val ({how})", **split)
     return train, val
+
+
+def _check_text(files: list[Path]) -> None:
+    """Text inputs are text: refused, before anything is written, when all are empty or one is binary (a NUL
+    byte in its first 8 KiB, git's test)."""
+    if not any(p.stat().st_size for p in files):
+        raise DataError(f"{files[0] if len(files) == 1 else f'the {len(files)} input files'}: no text to tokenize "
+                        "(empty); pass files that hold text")
+    for p in files:
+        with p.open("rb") as f:
+            if b"\0" in f.read(8192):
+                raise DataError(f"{p}: a binary file (a NUL byte in its first 8 KiB), not text; pass text files, or "
+                                "instruction data as .jsonl")
 
 
 def _prepare_examples(files: list[Path], names: list[str], out: Path, tok: Tokenizer, val_fraction: float,

@@ -97,11 +97,14 @@ class TokenFile:
     def open(cls, path: str | Path, vocab_size: int | None = None) -> TokenFile:
         """Memory-map a token file and check it against its sidecar and, if given, the model's vocab size."""
         path = Path(path)
+        if path.is_dir():
+            raise DataError(f"{path}: is a folder; pass its token file (e.g. {path / 'train.bin'}), written by "
+                            "`megatrain prepare`")
         if not path.is_file():
             raise DataError(f"{path}: token file not found; {PREPARE_HINT}")
         side = sidecar_path(path)
         if not side.is_file():
-            raise DataError(f"{path}: its sidecar {side.name} is missing; re-create both with {PREPARE_HINT}")
+            raise DataError(f"{path}: its sidecar {side.name} is missing; re-create both: {PREPARE_HINT}")
         meta = read_sidecar(side)
         dtype = DTYPES.get(meta["dtype"])
         if dtype is None:

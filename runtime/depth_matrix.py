@@ -92,6 +92,8 @@ def run_depth_matrix(args: argparse.Namespace) -> int:
         config, m, step = matrix_from_checkpoint(args.checkpoint)
         title = f"{config.name} ({config.depth_mixing}) after step {step}: M[l, i]"
     else:
+        if not 0 <= args.seed < 2**63:
+            raise ValueError(f"--seed must be an integer in [0, 2**63), got {args.seed}")
         config = load_model_config(args.model)
         if args.depth_mixing:
             config = ModelConfig(**{**config.model_dump(), "depth_mixing": args.depth_mixing})

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -21,6 +22,17 @@ from pydantic import Field
 
 from megatrain.files import check_outputs, input_path, output_path
 from megatrain.ir.base import IRModel
+
+
+def _number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+# what a step record's fields hold (the loss may be NaN or inf: a step the run skipped or stopped at)
+FIELDS = (("step", lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0, "an integer >= 0"),
+          ("loss", _number, "a number"),
+          ("step_time_s", lambda x: _number(x) and math.isfinite(x) and x > 0, "a number of seconds > 0"),
+          ("tokens_per_s", lambda x: _number(x) and math.isfinite(x) and x >= 0, "a number >= 0"))
 
 
 class Run(IRModel):
@@ -56,6 +68,8 @@ def read_metrics(path: str | Path, label: str | None = None) -> Run:
         lines = p.read_text().splitlines()
     except OSError as e:
         raise ValueError(f"cannot read metrics file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a text file; is this a `megatrain train --metrics` file?") from None
     steps: dict[int, dict] = {}
     events: list[dict] = []
     torn = False
@@ -64,8 +78,8 @@ def read_metrics(path: str | Path, label: str | None = None) -> Run:
             continue
         try:
             rec = json.loads(line)
-        except json.JSONDecodeError:
-            if n == len(lines):
+        except (json.JSONDecodeError, RecursionError):
+            if n == len(lines) and n > 1:
                 torn = True
                 continue
             raise ValueError(f"{path} line {n}: not JSON; is this a `megatrain train --metrics` file?"
@@ -79,7 +93,11 @@ def read_metrics(path: str | Path, label: str | None = None) -> Run:
         if missing:
             raise ValueError(f"{path} line {n}: a step record needs {', '.join(missing)}; is this a "
                              "`megatrain train --metrics` file?")
-        steps[int(rec["step"])] = rec
+        for key, ok, what in FIELDS:
+            if not ok(rec[key]):
+                raise ValueError(f"{path} line {n}: {key} must be {what}, got {json.dumps(rec[key])[:40]}; is "
+                                 "this a `megatrain train --metrics` file?")
+        steps[rec["step"]] = rec
     if not steps:
         raise ValueError(f"{path}: no step records (train with --metrics {path} to write some)")
     return Run(label=label or p.stem, path=str(path), records=tuple(steps[k] for k in sorted(steps)),

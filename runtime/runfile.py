@@ -94,11 +94,11 @@ def _flag(name: str, value, action: argparse.Action, path: Path) -> list[str]:
     where = f"--config {path}: {name}"
     if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false, got {value!r}")
+            raise ValueError(f"{where}: expected true or false (a TOML boolean, unquoted), got {value!r}")
         return [f"--{name}" if value else f"--no-{name}"]
     if action.nargs == 0:  # store_true
         if not isinstance(value, bool):
-            raise ValueError(f"{where}: expected true or false, got {value!r}")
+            raise ValueError(f"{where}: expected true or false (a TOML boolean, unquoted), got {value!r}")
         return [f"--{name}"] if value else []
     if isinstance(value, list):
         if not value or not all(isinstance(v, str | int | float) and not isinstance(v, bool) for v in value):

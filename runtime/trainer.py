@@ -212,6 +212,8 @@ class Trainer:
                 host_policy = checkpoint.manifest_policy(manifest)
             self.host_policy = host_policy
             self.last_checkpoint: Path | None = self.resumed_from
+            if self.checkpoint_dir is not None:
+                checkpoint.check_fresh_folder(self.checkpoint_dir, self.resumed_from)
             self.weights = check_weights(self.model_dir, self.config) if self.model_dir and manifest is None else None
             kw = {"delays": delays} if delays and device == "sim" else {}
             if comm is not None and device == "cuda":
@@ -221,6 +223,10 @@ class Trainer:
             self.device = make_device(device, budget_bytes=gpu_budget_bytes, **kw)
             if compile_units:
                 from .compiled import check_toolchain
+
+                if self.config.moe is not None:
+                    raise ValueError(f"--compile-units compiles dense models' blocks; {self.config.name} routes "
+                                     "tokens to experts (MoE), whose blocks run eagerly: drop --compile-units")
 
                 check_toolchain(self.device.kind)
             self._build(the_plan, gpu_budget_bytes, loss_chunk, resume is None and self.weights is None)

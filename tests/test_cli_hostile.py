@@ -53,6 +53,19 @@ def files(tmp_path_factory):
     os.chmod(d / "locked.json", 0)
     (d / "a_file").write_text("x")
     (d / "ckpt_empty").mkdir()
+    (d / "inf.json").write_text('{"base": "tiny", "norm_eps": 1e400}')  # JSON reads 1e400 as inf
+    (d / "bool.json").write_text(json.dumps({"base": "tiny", "n_layers": True}))
+    from megatrain.planner import hardware_preset
+
+    profile = json.loads(hardware_preset("cpu").to_json())
+    (d / "hwzero.json").write_text(json.dumps({**profile, "matmul_flops": {"bfloat16": 0, "float32": 0}}))
+    (d / "notes.txt").write_text("my notes, not a metrics log\n")
+    (d / "prose.safetensors").write_text("precious")
+    (d / "binary.txt").write_bytes(b"\x7fELF\x02\x01\x01\x00\x00\xff\xfe" * 50)
+    (d / "empty.txt").write_text("")
+    record = {"step": 1, "loss": 5.5, "step_time_s": 0.5, "tokens_per_s": 256.0}
+    (d / "nullstep.jsonl").write_text(json.dumps(record) + "\n" + json.dumps({**record, "step_time_s": None}) + "\n")
+    (d / "strloss.jsonl").write_text(json.dumps({**record, "loss": "abc"}) + "\n")
     return d
 
 
@@ -120,15 +133,65 @@ CASES = {
     "device": (["--device", "tpu"], ["--device", "sim"]),
     "hardware": (["--hardware", "abacus"], ["abacus", "h100-sxm", "megatrain probe"]),
     "unknown-flag": (["--gpu-memory", "6MiB"], ["--gpu-memory", "--help"]),
+    # flags that would otherwise be ignored or misread
+    "checkpoint-dir-alone": (["--checkpoint-dir", "{d}/ck_alone"], ["without --checkpoint-every", "add"]),
+    "eval-without-val": (["--eval-every", "1"], ["--eval-every 1", "--val-data"]),
+    "warmup-longer-than-run": (["--warmup", "5"], ["--warmup 5 is longer than the run", "--steps 1"]),
+    "train-nproc-zero": (["--nproc", "0"], ["--nproc and --nnodes must be positive"]),
+    "dist-timeout": (["--dist-timeout", "-5"], ["--dist-timeout"]),
+    "plan-nproc-zero": (["plan", "--model", "tiny", "--hardware", "cpu", "--seq-len", "64", "--nproc", "0"],
+                        ["--nproc and --nnodes must be positive"]),
+    "host-mem-zero": (["plan", "--model", "tiny", "--hardware", "cpu", "--seq-len", "64", "--host-mem", "0"],
+                      ["--host-mem must be a positive size"]),
+    "tune-micro-batch": (["tune", "--model", "tiny", "--hardware", "cpu", "--seq-len", "64", "--gpu-mem", "2GiB",
+                          "--micro-batch", "1,0"], ["--micro-batch", "greater than 0"]),
+    "rank-tolerance": (["plan", "--model", "tiny", "--hardware", "cpu", "--seq-len", "64", "--rank-tolerance",
+                        "0.2"], ["--rank-tolerance applies to --depth-rank auto"]),
+    "probe-without-model": (["probe", "--sim-threads", "2"], ["--sim-threads", "add --model"]),
+    "depth-matrix-seed": (["depth-matrix", "--model", "tiny", "--depth-mixing", "depthssd:2", "--seed", "-5"],
+                          ["--seed"]),
+    # values
+    "config-inf": (["--model", "{d}/inf.json"], ["norm_eps", "finite"]),
+    "config-bool": (["--model", "{d}/bool.json"], ["n_layers must be an integer, got true"]),
+    "profile-zero-flops": (["plan", "--model", "tiny", "--hardware", "{d}/hwzero.json", "--seq-len", "64"],
+                           ["hwzero.json", "matmul_flops", "must be a finite FLOP/s > 0", "megatrain probe"]),
+    "data-folder": (["--data", "{d}/ckpt_empty"], ["is a folder", "train.bin"]),
+    # outputs over files that are not what the command writes
+    "metrics-over-prose": (["--metrics", "{d}/notes.txt"], ["notes.txt", "not a metrics log"]),
+    "export-over-prose": (["export", "--checkpoint", "{d}/ckpt_empty", "--out", "{d}/prose.safetensors"],
+                          ["prose.safetensors", "not a safetensors file"]),
+    # inputs that are not what the command reads
+    "prepare-binary": (["prepare", "{d}/binary.txt", "--out", "{d}/tok_binary"], ["binary.txt", "binary file"]),
+    "prepare-empty": (["prepare", "{d}/empty.txt", "--out", "{d}/tok_empty"], ["empty.txt", "no text"]),
+    "report-null": (["report", "{d}/nullstep.jsonl"], ["line 2", "step_time_s must be"]),
+    "report-string": (["report", "{d}/strloss.jsonl"], ["line 1", "loss must be a number"]),
+    "report-binary": (["report", "{d}/binary.txt"], ["binary.txt", "not a text file"]),
 }
+COMMANDS = ("plan", "tune", "probe", "export", "compile", "prepare", "report", "depth-matrix")
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_is_one_line_naming_cause_and_fix(files, case):
     args, needles = CASES[case]
     args = [a.replace("{d}", str(files)) for a in args]
-    argv = args if args[0] in ("plan", "export", "compile", "prepare") else _train(args, files)
+    argv = args if args[0] in COMMANDS else _train(args, files)
     rc, _, err = run_cli(argv)
+    assert_one_line(rc, err, *needles)
+    if case == "export-over-prose":
+        assert (files / "prose.safetensors").read_text() == "precious"
+    if case == "metrics-over-prose":
+        assert (files / "notes.txt").read_text() == "my notes, not a metrics log\n"
+    if case.startswith("prepare-"):
+        assert not (files / f"tok_{case.split('-')[1]}").exists()
+
+
+@pytest.mark.parametrize("argv, needles", [
+    ([*TRAIN, "--model", "moe-tiny", "--compile-units"], ["--compile-units", "MoE", "drop --compile-units"]),
+    pytest.param([*TRAIN, "--device", "cuda"], ["--device cuda", "no CUDA device"],
+                 marks=pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a GPU is visible")),
+])
+def test_flags_that_cannot_apply_are_refused(files, argv, needles):
+    rc, _, err = run_cli([*argv, "--data", str(files / "good.bin")])
     assert_one_line(rc, err, *needles)
 
 
@@ -265,6 +328,8 @@ def test_hypothesis_train_arguments(files, tmp_path_factory, changes):
             "--host-mem": "1GiB"}
     del base["--hardware"]
     changes = [(flag, value) for flag, value in changes if flag != "--host-mem"]
+    if not any(flag == "--checkpoint-every" for flag, _ in changes):
+        del base["--checkpoint-dir"]  # it needs --checkpoint-every (refused alone); there, it keeps ./checkpoints out
     _check(["train", "--no-progress", *_argv(files, base, changes)])
 
 

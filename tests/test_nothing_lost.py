@@ -89,8 +89,12 @@ def outputs(tmp_path, data, ckpt):
 
 
 def test_a_full_disk_leaves_every_previous_output_byte_for_byte(tmp_path, data, ckpt, monkeypatch):
+    from safetensors.torch import save
+    from torch import zeros
+
     for argv, out in outputs(tmp_path, data, ckpt):
-        before = f"the previous {out.name}\n".encode()
+        # an earlier output of the same kind (an export replaces a safetensors file, never a file of another kind)
+        before = save({"w": zeros(2)}) if out.suffix == ".safetensors" else f"the previous {out.name}\n".encode()
         out.write_bytes(before)
 
         def full(fd):
@@ -116,6 +120,31 @@ def test_a_symlink_at_an_output_is_replaced_and_its_target_untouched(tmp_path):
         assert run([*PLAN, flag, link])[0] == 0
         assert not link.is_symlink() and json.loads(link.read_text())
     assert target.read_text() == "do not touch"
+
+
+def _digests(root) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.parametrize("extra", [[], ["--keep-checkpoints", "1"]], ids=["replace", "prune"])
+def test_a_new_run_into_a_folder_of_another_runs_checkpoints_is_refused(tmp_path, data, ckpt, extra):
+    """A fresh run (or one resumed from elsewhere) would overwrite the earlier run's step folders of the same
+    numbers and prune the rest: refused before any step, every file untouched, --resume named as the fix."""
+    folder = tmp_path / "ck"
+    shutil.copytree(ckpt, folder)
+    before = _digests(folder)
+    fresh = [*TRAIN, "--data", data[0], "--lr", "1e-3", "--checkpoint-every", "1", "--checkpoint-dir", folder, *extra]
+    one_line(*run(fresh)[::2], "already holds checkpoints of another run", f"--resume {folder}")
+    elsewhere = tmp_path / "other"
+    shutil.copytree(ckpt, elsewhere)
+    same = [*TRAIN, "--data", data[0], "--checkpoint-every", "1", "--checkpoint-dir", folder, *extra]
+    one_line(*run([*same, "--resume", elsewhere])[::2], "already holds checkpoints", "resumes from")
+    assert _digests(folder) == before
+    # the run continued in its own folder is what --resume is for (here at its last step: nothing left to do)
+    rc, out, err = run([*same, "--resume", folder])
+    assert rc == 0 and "nothing left to train" in out, err
+    assert _digests(folder) == before
 
 
 def test_the_metrics_log_appends_and_ends_a_torn_line(tmp_path, data):

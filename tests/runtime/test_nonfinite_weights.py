@@ -43,11 +43,11 @@ def test_abort_stops_before_any_checkpoint_holds_an_overflowed_weight(tmp_path, 
 
 
 def test_skip_leaves_weights_and_moments_bit_identical(tmp_path, data, capsys):
-    clipped = argv(data, tmp_path / "ck", "--on-nan", "skip", "--clip-norm", "1.0")
-    for args in (argv(data, tmp_path / "ck", "--on-nan", "skip"), clipped):
+    clipped = argv(data, tmp_path / "ck1", "--on-nan", "skip", "--clip-norm", "1.0")
+    for k, args in enumerate((argv(data, tmp_path / "ck0", "--on-nan", "skip"), clipped)):
         assert main(args) == 0
         assert "3 step(s) skipped" in capsys.readouterr().out
-        ckpt = find_checkpoint(tmp_path / "ck")
+        ckpt = find_checkpoint(tmp_path / f"ck{k}")
         manifest = read_manifest(ckpt)
         want = init_weights(TINY, seed=0)
         for unit in manifest["units"]:
