@@ -22,6 +22,14 @@ if TYPE_CHECKING:
 BARS = " ▁▂▃▄▅▆▇█"
 
 
+
+def _count(n: int) -> str:
+    """12.3B, 455M, 103k: a parameter count at a readable scale."""
+    for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
 def render(*items, width: int) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, color_system=None, force_terminal=False, highlight=False)
@@ -44,7 +52,7 @@ def summary_lines(p: Plan) -> list[str]:
     staging = p.host_breakdown.get("checkpoint_staging", 0)
     lines = [
         f"plan {p.ir.model} on {hw.name}: micro-batch {t.micro_batch} x seq {t.seq_len}, {t.grad_accum} "
-        f"micro-batch(es)/step, {t.dtype}, {params / 1e9:.3g}B params",
+        f"micro-batch(es)/step, {t.dtype}, {_count(params)} params",
         f"GPU   peak {format_bytes(p.peak_gpu_bytes)} of {format_bytes(p.gpu_budget_bytes)} budget "
         f"(buffers {format_bytes(p.peak_buffer_bytes)}, + workspace {format_bytes(p.peak_device_bytes - p.peak_buffer_bytes)}"
         f" at the peak, + {format_bytes(hw.reserved_bytes)} reserved, + {hw.allocator_margin:.0%} margin)",

@@ -83,6 +83,18 @@ def pareto_flags(points: Sequence[tuple[int, float] | None]) -> list[bool]:
     return flags
 
 
+def _listed(values, name: str, kinds: tuple[type, ...], example: str) -> list | None:
+    """`values` as a list of `kinds` (one value alone is a list of it; None stays None), or one error."""
+    if values is None:
+        return None
+    if isinstance(values, (int, str)) and not isinstance(values, bool):
+        values = [values]  # one budget, micro-batch or rank: a string is never a list of its characters
+    if not isinstance(values, Sequence) or not all(isinstance(v, kinds) and not isinstance(v, bool) for v in values):
+        raise ValueError(f"{name} must be a list of {' or '.join(k.__name__ for k in kinds)}, e.g. {example}, got "
+                         f"{values!r:.60}")
+    return list(values)
+
+
 def tune(model, hardware: Hardware | str, train: TrainSpec, budgets: Sequence[int | str],
          micro_batches: Sequence[int] | None = None,
          trace_fn: Callable[[object, int, TrainSpec], ModelIR] | None = None,
@@ -94,8 +106,16 @@ def tune(model, hardware: Hardware | str, train: TrainSpec, budgets: Sequence[in
     larger N trades speed for quality, which the front cannot weigh. `world`: plan one rank of a data-parallel
     world (planner/world.py) for every row."""
     hw = resolve_hardware(hardware)
+    if not isinstance(train, TrainSpec):
+        raise ValueError(f"train must be a TrainSpec, e.g. TrainSpec(micro_batch=1, seq_len=4096), got "
+                         f"{type(train).__name__}")
+    budgets, micro_batches, depth_ranks = (_listed(budgets, "budgets", (int, str), "['40GiB', '80GiB']"),
+                                           _listed(micro_batches, "micro_batches", (int,), "[1, 2]"),
+                                           _listed(depth_ranks, "depth_ranks", (int,), "[1, 4, 16]"))
     sizes = [parse_bytes(b) for b in budgets]
     mbs = list(micro_batches) if micro_batches else [train.micro_batch]
+    if any(mb <= 0 for mb in mbs):
+        raise ValueError(f"micro_batches must be positive integers, got {mbs}")
     if not sizes:
         raise ValueError("tune needs at least one budget, e.g. budgets=['40GiB', '80GiB']")
     too_big = [b for b in sizes if b > hw.gpu_memory_bytes]

@@ -235,10 +235,51 @@ def prepare(inputs: list[str | Path] | None, out_dir: str | Path, val_fraction: 
     if inputs is not None and not any(jsonl):
         _check_text(files)
     out.mkdir(parents=True, exist_ok=True)
+    _remove_stale(out)
+    # Both splits are written into a hidden folder first and moved into `out` together at the end, so a prepare
+    # stopped at any point leaves the earlier pair whole (or, killed between the last renames, data files
+    # without sidecars, which are refused), never a new train file beside an old val file.
+    tmp = out / f".prepare-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        _prepare_into(tmp, files, names, jsonl, tok, val_fraction, seed, source, progress)
+        _publish(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out / "train.bin", out / "val.bin"
+
+
+def _remove_stale(out: Path) -> None:
+    """The hidden folders of prepares that died before they finished (their pid is gone)."""
+    for p in out.glob(".prepare-*"):
+        pid = p.name.removeprefix(".prepare-")
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass  # not ours to judge
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished prepare's files from `tmp` into `out`: the sidecars of the files being replaced first
+    (new data never meets an old sidecar), then the data files, then the new sidecars."""
+    names = sorted(p.name for p in tmp.iterdir())
+    sides = [n for n in names if n.endswith(".json")]
+    for n in sides:
+        (out / n).unlink(missing_ok=True)
+    for n in [n for n in names if not n.endswith(".json")] + sides:
+        os.replace(tmp / n, out / n)
+    fsync_dir(out)
+
+
+def _prepare_into(out: Path, files, names, jsonl, tok, val_fraction, seed, source, progress) -> None:
     split = {"seed": seed, "val_fraction": val_fraction}
     with _progress(progress, sum(p.stat().st_size for p in files), "tokenize") as bar:
         if all(jsonl):
-            return _prepare_examples(files, names, out, tok, val_fraction, seed, source, bar)
+            _prepare_examples(files, names, out, tok, val_fraction, seed, source, bar)
+            return
         if len(files) == 1 and val_fraction > 0:
             train_text, val_text = _tail_split(files[0].read_bytes(), val_fraction)
             train_docs, val_docs = [train_text], [val_text] if val_text else []
@@ -248,11 +289,9 @@ def prepare(inputs: list[str | Path] | None, out_dir: str | Path, val_fraction: 
             train_docs = (p.read_bytes() for p, v in zip(files, is_val) if not v)
             val_docs = (p.read_bytes() for p, v in zip(files, is_val) if v)
             how = "by document"
-        train = write_token_file(out / "train.bin", _encoded(train_docs, tok, bar), source, tok,
-                                 split=f"train ({how})", **split)
-        val = write_token_file(out / "val.bin", _encoded(val_docs, tok, bar), source, tok,
-                               split=f"val ({how})", **split)
-    return train, val
+        write_token_file(out / "train.bin", _encoded(train_docs, tok, bar), source, tok, split=f"train ({how})",
+                         **split)
+        write_token_file(out / "val.bin", _encoded(val_docs, tok, bar), source, tok, split=f"val ({how})", **split)
 
 
 def _check_text(files: list[Path]) -> None:

@@ -75,6 +75,7 @@ def check_weights(folder: str | Path, config) -> WeightPlan:
     files, wmap = weight_files(folder)
     shapes = param_shapes(config)
     tied = "head.lm_head.weight" if config.tie_embeddings else None
+    head = None
     seen: dict[str, Path] = {}
     plan = []
     for path in files:
@@ -87,7 +88,8 @@ def check_weights(folder: str | Path, config) -> WeightPlan:
                 continue
             ours = our_name(hf)
             if ours == tied:
-                continue  # tied to the embedding: transformers ignores it too
+                head = (path, hf)  # tied to the embedding: it must hold the embedding's values (below)
+                continue
             if ours not in shapes:
                 raise HFConfigError(f"{path}: tensor {hf} is not part of the model config.json describes "
                                     f"({config.name}); the weights and the config do not belong together")
@@ -99,7 +101,8 @@ def check_weights(folder: str | Path, config) -> WeightPlan:
                 raise HFConfigError(f"{path}: tensor {hf} has shape {list(shape)} but config.json makes it "
                                     f"{list(shapes[ours])}")
             if str(dtype).removeprefix("torch.") not in ("float32", "float16", "bfloat16", "float64"):
-                raise HFConfigError(f"{path}: tensor {hf} is {dtype}, not a floating-point weight")
+                raise HFConfigError(f"{path}: tensor {hf} is {dtype}; megatrain loads float32, float16, bfloat16 "
+                                    "and float64 weights (quantised checkpoints are not supported)")
             seen[hf] = path
             names[hf] = ours
         plan.append((path, names))
@@ -111,7 +114,27 @@ def check_weights(folder: str | Path, config) -> WeightPlan:
         extra = sorted(set(wmap) - set(seen) - {n for n in wmap if IGNORED.fullmatch(n) or our_name(n) == tied})
         if extra:
             raise HFConfigError(f"{folder / INDEX}: lists {extra[0]}, which no shard holds")
+    if head is not None:
+        embed = next((p, hf) for p, names in plan for hf, ours in names.items() if ours == "embed.embed_tokens.weight")
+        _check_tied_head(head, embed)
     return WeightPlan(folder, tuple(plan))
+
+
+def _check_tied_head(head: tuple[Path, str], embed: tuple[Path, str], rows: int = 4096) -> None:
+    """A folder whose config ties the head to the embedding but whose files also hold an lm_head.weight: the
+    same model only if the two hold the same values (compared `rows` rows at a time); otherwise which one
+    the head is depends on the loader, so it is refused."""
+    from safetensors import safe_open
+
+    with safe_open(head[0], "pt") as fh, safe_open(embed[0], "pt") as fe:
+        h, e = fh.get_slice(head[1]), fe.get_slice(embed[1])
+        n = h.get_shape()[0]
+        for a in range(0, n, rows):
+            if not h[a : a + rows].float().equal(e[a : a + rows].float()):
+                raise HFConfigError(
+                    f"{head[0]}: holds {head[1]}, which differs from {embed[1]}, but config.json sets "
+                    "tie_word_embeddings (the head is the embedding): set tie_word_embeddings to false to train "
+                    "the head the file holds, or remove it from the file to tie them")
 
 
 def _hf_of(name: str) -> str:
@@ -128,4 +151,8 @@ def load_weights(plan: WeightPlan, store) -> int:
         sf = SafetensorsFile(path, None, "the file is damaged or changed since it was checked: copy the model "
                              "folder again")
         sf.read({hf: masters[ours] for hf, ours in names.items()}, cast=True)
+        for hf, ours in names.items():  # a NaN or inf here would surface as a NaN loss blamed on training
+            if not bool(masters[ours].isfinite().all()):
+                raise HFConfigError(f"{path}: tensor {hf} holds NaN or inf values; the model folder is damaged "
+                                    "(or was saved from a diverged run): copy it again")
     return plan.n_tensors

@@ -56,7 +56,7 @@ from megatrain.files import append_open
 from megatrain.ir.trace import trace
 from megatrain.models import load_model_config
 from megatrain.planner import Plan, TrainSpec, hardware_preset, plan
-from megatrain.planner.bytesize import format_bytes
+from megatrain.planner.bytesize import format_bytes, parse_bytes
 from megatrain.planner.hardware import hardware_for_device
 
 from . import checkpoint
@@ -153,10 +153,18 @@ class Trainer:
                  sim_threads: int | None = None, compile_units: bool = False):
         if on_nan not in ON_NAN:
             raise ValueError(f"on_nan must be one of {', '.join(ON_NAN)}, got {on_nan!r}")
+        if not isinstance(train, TrainSpec):
+            raise ValueError(f"train must be a TrainSpec, e.g. TrainSpec(micro_batch=1, seq_len=4096), got "
+                             f"{type(train).__name__}")
+        gpu_budget_bytes = parse_bytes(gpu_budget_bytes)  # "6MiB" as plan() takes it, or bytes
+        for name, value in (("checkpoint_every", checkpoint_every), ("keep_checkpoints", keep_checkpoints)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if checkpoint_every < 0 or (checkpoint_every and checkpoint_dir is None):
             raise ValueError("checkpoint_every must be >= 0 and needs a checkpoint_dir")
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 (or None: keep all), got {keep_checkpoints}")
+        self._closed = False
         self.comm, self.rank = comm, comm.rank if comm is not None else 0
         self.config = load_model_config(model)
         # A Hugging Face model folder: training starts from its weights (fresh optimizer state), and its
@@ -388,6 +396,14 @@ class Trainer:
         """Drain the device, refuse a faulty state, write checkpoint `self.step`; returns its folder."""
         if self.checkpoint_dir is None:
             raise ValueError("no checkpoint_dir: pass checkpoint_dir=DIR (--checkpoint-dir)")
+        if self._lock is None and self.rank == 0:  # a run saving by hand (checkpoint_every 0) takes the folder now
+            lock = checkpoint.FolderLock(self.checkpoint_dir).acquire()
+            try:  # and another run may have written there since this one started
+                checkpoint.check_fresh_folder(self.checkpoint_dir, self.resumed_from)
+            except BaseException:
+                lock.release()
+                raise
+            self._lock = lock
         self.device.synchronize()
         self._handle_faults()
         rng = {"rng/torch_cpu": torch.get_rng_state()}
@@ -487,8 +503,19 @@ class Trainer:
         and SIGINT stop the run after the step in flight: a checkpoint is written when checkpointing is
         configured and `Preempted` is raised; a second signal ends the process at once (the atomic writes leave
         nothing half-written under a final name)."""
+        if self._closed:
+            raise ValueError("this Trainer is closed: build a new one (resume=DIR continues from a checkpoint)")
         if self.batcher is None:
             raise ValueError("no training data: pass data=PATH (see `megatrain prepare`)")
+        for name, value, least in (("steps", steps, 0), ("log_every", log_every, 1), ("eval_every", eval_every, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+        if eval_every and self.val_data is None:
+            raise ValueError(f"eval_every={eval_every} needs validation data: pass val_data=PATH (--val-data)")
+        if self.step + steps > self.train.total_steps:
+            raise ValueError(f"{steps} more step(s) from step {self.step} pass the run's total_steps "
+                             f"{self.train.total_steps} (where its learning-rate schedule ends): train at most "
+                             f"{self.train.total_steps - self.step} more, or set a larger total_steps (--steps)")
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         records: list[dict] = []
@@ -580,6 +607,10 @@ class Trainer:
                 f"{rec['peak_device_bytes'] / 2**20:.1f}/{self.planned_peak_device_bytes / 2**20:.1f} MiB")
 
     def close(self) -> None:
+        """Drain the device and free it, the store and the checkpoint folder's lock; a second close does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.device.synchronize()
         finally:

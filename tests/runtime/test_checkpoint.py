@@ -225,6 +225,27 @@ def test_resume_never_unpickles(token_files, saved, monkeypatch):
         assert_same_state(snapshot(t.store), saved[1])
 
 
+def test_a_save_by_hand_takes_the_folder_lock_and_keeps_out_of_another_runs_folder(token_files, tmp_path):
+    """checkpoint_every=0 with save_checkpoint(): one writer a folder still (the lock, at the first save), and
+    a folder another run wrote into meanwhile is refused, not mixed with or pruned."""
+    folder = tmp_path / "ck"
+    with make(token_files, checkpoint_dir=folder) as b:  # built while the folder is empty
+        with make(token_files, checkpoint_dir=folder, checkpoint_every=1) as a:
+            a.run(2, progress=False)
+            b.run(1, progress=False)
+            with pytest.raises(CheckpointError, match="another megatrain run"):
+                b.save_checkpoint()
+        with pytest.raises(CheckpointError, match="already holds checkpoints of another run"):
+            b.save_checkpoint()  # a's lock is gone, its checkpoints are not
+    assert [s for s, _ in step_dirs(folder)] == [1, 2]
+    with make(token_files, checkpoint_dir=tmp_path / "own") as d:  # its own folder: saves, and again
+        d.run(1, progress=False)
+        d.save_checkpoint()
+        d.run(1, progress=False)
+        d.save_checkpoint()
+    assert [s for s, _ in step_dirs(tmp_path / "own")] == [1, 2]
+
+
 def test_no_checkpoint_to_resume(tmp_path):
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
         find_checkpoint(tmp_path)

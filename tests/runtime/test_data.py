@@ -105,6 +105,34 @@ def test_prepare_is_atomic(tmp_path, texts, monkeypatch):
     assert sorted(p.name for p in out.iterdir()) == ["train.bin", "train.bin.json", "val.bin", "val.bin.json"]
 
 
+def test_a_prepare_stopped_between_its_splits_leaves_the_earlier_pair_whole(tmp_path, texts, monkeypatch):
+    """Both splits are written aside and moved in together: a prepare stopped after its train file (by a
+    signal, here an interrupt while it writes val) leaves the earlier train/val pair byte for byte, and the
+    hidden folder of one killed outright is removed by the next prepare."""
+    folder, _ = texts
+    out = tmp_path / "out"
+    first = prepare([folder], out, val_fraction=0.3)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = corpus.write_token_file
+
+    def stop_at_val(path, *a, **kw):
+        if path.name == "val.bin":
+            raise KeyboardInterrupt
+        return real(path, *a, **kw)
+
+    other = tmp_path / "other.txt"
+    other.write_text("another corpus entirely. " * 50)
+    monkeypatch.setattr(corpus, "write_token_file", stop_at_val)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([other], out, val_fraction=0.3)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    (out / ".prepare-999999999").mkdir()  # what a SIGKILLed prepare leaves (no such pid)
+    prepare([other], out, val_fraction=0.3)
+    assert sorted(p.name for p in out.iterdir()) == sorted(before)
+    assert first[0].read_bytes() != before["train.bin"]  # replaced, now from other.txt
+
+
 def test_prepare_input_errors(tmp_path):
     with pytest.raises(DataError, match="missing.txt: input not found"):
         prepare([tmp_path / "missing.txt"], tmp_path / "out")

@@ -300,6 +300,14 @@ def test_missing_and_corrupt_shards_and_wrong_tensors_are_named(tmp_path, data, 
     shutil.copytree(src, more)
     (more / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     cases.append((more, "the weights lack blocks.2."))
+    nan = tmp_path / "nan"
+    shutil.copytree(src, nan)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(nan / "model.safetensors")
+    weights["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(weights, nan / "model.safetensors", metadata={"format": "pt"})
+    cases.append((nan, "tensor model.layers.1.mlp.up_proj.weight holds NaN or inf values"))
     pickled = tmp_path / "pickled"
     shutil.copytree(src, pickled)
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
@@ -308,6 +316,27 @@ def test_missing_and_corrupt_shards_and_wrong_tensors_are_named(tmp_path, data, 
         assert main(_train_cli(folder, data)) == 2, folder
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, (folder, err)
+
+
+def test_a_tied_config_with_its_own_lm_head_is_refused_unless_it_equals_the_embedding(tmp_path, data, capsys):
+    """tie_word_embeddings with an lm_head.weight in the file: loaders disagree on which the head is (transformers
+    5 keeps the file's), so a head that differs from the embedding is refused; an equal one is the same model."""
+    from safetensors.torch import load_file, save_file
+
+    save_hf_model(tmp_path / "src", "qwen2", seed=3)
+    weights = load_file(tmp_path / "src" / "model.safetensors")
+    embed = weights["model.embed_tokens.weight"]
+    for name, head, ok in (("differs", torch.randn_like(embed), False), ("equal", embed.clone(), True)):
+        folder = tmp_path / name
+        shutil.copytree(tmp_path / "src", folder)
+        save_file({**weights, "lm_head.weight": head}, folder / "model.safetensors", metadata={"format": "pt"})
+        rc = main(_train_cli(folder, data))
+        out, err = capsys.readouterr()
+        if ok:
+            assert rc == 0, err
+        else:
+            assert rc == 2 and err.count("\n") == 1, err
+            assert "lm_head.weight, which differs from model.embed_tokens.weight" in err and "tie_word_embeddings" in err
 
 
 def test_depth_mixing_cannot_be_grafted_onto_a_model_folder(tmp_path, data, capsys):
