@@ -120,6 +120,9 @@ def emit(plan_or_program, title: str | None = None, summary: list[str] | None = 
          passes: list[str] | None = None) -> str:
     """Python source of the step program. Accepts a Plan (with .program) or a bare Program."""
     program: Program = getattr(plan_or_program, "program", plan_or_program)
+    if not isinstance(program, Program):
+        raise ValueError(f"emit takes a Plan (megatrain.plan(...)) or its Program, got "
+                         f"{type(plan_or_program).__name__}")
     if title is None:
         title = _plan_title(plan_or_program)
     if summary is None:

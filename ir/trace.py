@@ -232,6 +232,9 @@ def _dims(config: ModelConfig, tmpls: dict) -> set[int]:
 
 
 def _check(config: ModelConfig, micro_batch: int, seq_len: int, target: str, chunk_tokens: int | None) -> None:
+    for name, v in (("micro_batch", micro_batch), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not hasattr(type(v), "__index__"):  # int, numpy's integers
+            raise ValueError(f"{name} must be an integer, got {v!r}")
     if micro_batch <= 0 or seq_len <= 0:
         raise ValueError(f"micro_batch and seq_len must be positive, got {micro_batch} and {seq_len}")
     if micro_batch * seq_len > MAX_TOKENS:

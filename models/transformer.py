@@ -507,8 +507,13 @@ def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {n: tuple(p.shape) for n, p in model.named_parameters()}
 
 
-def build_eager(config: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> EagerModel:
-    """The plain nn.Module, initialised as `init_weights(config, seed)`."""
+def build_eager(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.float32) -> EagerModel:
+    """The plain nn.Module, initialised as `init_weights(config, seed)`; `config` may be a preset name or a
+    config file, as everywhere."""
+    if not isinstance(config, ModelConfig):
+        from .presets import load_model_config
+
+        config = load_model_config(config)
     with torch.device("meta"):
         model = EagerModel(config)
     model = model.to_empty(device="cpu")

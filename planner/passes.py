@@ -258,6 +258,14 @@ def plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_byt
     fits). With `world` (World(nproc=R, nnodes=N)): the step of one of R data-parallel ranks, each running
     grad_accum / R of the global step's micro-batches, the model state sharded (world.py). Raises
     InfeasiblePlanError (a ValueError) naming the smallest budget that works."""
+    if not isinstance(ir, ModelIR):
+        raise ValueError(f"plan takes a ModelIR (megatrain.trace(model, micro_batch, seq_len)), got "
+                         f"{type(ir).__name__}")
+    if not isinstance(train, TrainSpec):
+        raise ValueError(f"train must be a TrainSpec, e.g. TrainSpec(micro_batch=1, seq_len=4096), got "
+                         f"{type(train).__name__}")
+    if world is not None and not isinstance(world, World):
+        raise ValueError(f"world must be a World, e.g. World(nproc=8), got {type(world).__name__}")
     paused = gc.isenabled()
     gc.disable()  # NOTE: planning builds ~1e5 small acyclic objects; the cyclic GC would cost ~30% for nothing
     try:

@@ -67,3 +67,17 @@ def test_tune_takes_lists_or_one_value_and_refuses_the_rest(kw, message):
 def test_tune_takes_one_budget_alone():
     result = tune("tiny", "cpu", SPEC, "8MiB", micro_batches=2)
     assert [(r.micro_batch, r.gpu_budget_bytes) for r in result.rows] == [(2, 8 * 2**20)]
+
+
+def test_trace_plan_emit_and_build_eager_name_what_they_take():
+    import megatrain
+
+    with pytest.raises(ValueError, match="micro_batch must be an integer, got '2'"):
+        megatrain.trace("tiny", "2", 64)
+    with pytest.raises(ValueError, match="plan takes a ModelIR"):
+        megatrain.plan("tiny", "cpu", SPEC)
+    with pytest.raises(ValueError, match="train must be a TrainSpec"):
+        megatrain.plan(megatrain.trace("tiny", 2, 64), "cpu", {"micro_batch": 2})
+    with pytest.raises(ValueError, match="emit takes a Plan"):
+        megatrain.emit(None)
+    assert megatrain.build_eager("tiny").config.name == "tiny"  # a preset name, as trace and Trainer take
