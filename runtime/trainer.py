@@ -157,6 +157,13 @@ class Trainer:
             raise ValueError(f"train must be a TrainSpec, e.g. TrainSpec(micro_batch=1, seq_len=4096), got "
                              f"{type(train).__name__}")
         gpu_budget_bytes = parse_bytes(gpu_budget_bytes)  # "6MiB" as plan() takes it, or bytes
+        for name, value in (("data", data), ("val_data", val_data), ("checkpoint_dir", checkpoint_dir),
+                            ("metrics_path", metrics_path), ("resume", resume)):
+            if value is not None and not isinstance(value, str | Path):
+                raise ValueError(f"{name} must be a path (str or Path), got {type(value).__name__}")
+        if checkpoint_dir is not None and Path(checkpoint_dir).exists() and not Path(checkpoint_dir).is_dir():
+            raise ValueError(f"checkpoint_dir {checkpoint_dir} is a file, not a folder: pass a folder for the "
+                             "step-NNNNNNNN checkpoints")
         for name, value in (("checkpoint_every", checkpoint_every), ("keep_checkpoints", keep_checkpoints)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ValueError(f"{name} must be an integer, got {value!r}")

@@ -25,6 +25,8 @@ def test_the_budget_may_be_a_size_string_as_plan_takes_it(data):
     ({"checkpoint_every": "5"}, "checkpoint_every must be an integer"),
     ({"keep_checkpoints": 2.5}, "keep_checkpoints must be an integer"),
     ({"gpu_budget_bytes": "6 XB"}, "cannot read '6 XB' as a byte size"),
+    ({"val_data": 5}, "val_data must be a path"),
+    ({"checkpoint_dir": __file__, "checkpoint_every": 1}, "is a file, not a folder"),
 ])
 def test_bad_constructor_arguments(data, kw, message):
     args = {"train": SPEC, "gpu_budget_bytes": "6MiB", **kw}
