@@ -258,7 +258,7 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
 
     _check_train_flags(args)
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
-    spec = _train(args, args.micro_batch, lr=args.lr, warmup_steps=min(warmup, args.steps), total_steps=args.steps,
+    spec = _train(args, args.micro_batch, lr=args.lr, warmup_steps=warmup, total_steps=args.steps,
                   weight_decay=args.weight_decay, seed=args.seed, betas=_betas(args.betas), eps=args.eps,
                   schedule=args.schedule, min_lr_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
     budget = parse_bytes(args.gpu_mem)
@@ -368,17 +368,14 @@ def _plot_run(plan, spans: list[tuple], path: str) -> None:
 
 
 def _is_safetensors(path: Path) -> bool:
-    """Whether `path` starts as a safetensors file does: an 8-byte little-endian header size, then a JSON object
-    of that size within the file."""
-    with path.open("rb") as f:
-        head = f.read(8)
-        n = int.from_bytes(head, "little") if len(head) == 8 else 0
-        if not 2 <= n <= min(path.stat().st_size - 8, 100 * 2**20):
-            return False
-        try:
-            return isinstance(json.loads(f.read(n)), dict)
-        except (ValueError, RecursionError):
-            return False
+    """Whether `path` opens as a safetensors file (tensorfiles.SafetensorsFile checks its header)."""
+    from .tensorfiles import CheckpointError, SafetensorsFile
+
+    try:
+        SafetensorsFile(path).close()
+    except CheckpointError:
+        return False
+    return True
 
 
 def _check_metrics_file(path: str | None) -> None:
