@@ -104,7 +104,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     _common(c)
     c.add_argument("--gpu-mem", metavar="BYTES", help="GPU memory budget (default: the GPU's memory)")
     c.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
-    c.add_argument("-o", "--out", metavar="FILE", type=output_path, required=True, help="where to write the step program")
+    c.add_argument("-o", "--out", metavar="FILE", type=output_path, required=True, help="where to write the step program (an existing file is replaced only if it is one)")
     c.set_defaults(func=run_compile)
 
     from .corpus import add_prepare_parser
@@ -393,6 +393,19 @@ def _check_metrics_file(path: str | None) -> None:
           "would append to it: choose another file")
 
 
+def _check_step_program(path: str) -> None:
+    """compile -o replaces a step program it wrote before (a regeneration) and nothing else: a file that does not
+    open with codegen's header (a user's own script, say) is refused, untouched."""
+    from megatrain.codegen.emit import HEADER
+
+    if not Path(path).is_file() or Path(path).stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        first = f.readline(256)
+    _need(first.startswith(HEADER.encode()), f"-o {path} exists and is not a step program megatrain wrote "
+          "(its first line is not codegen's header); compile would replace it: choose another file or remove it")
+
+
 def run_export(args: argparse.Namespace) -> int:
     from .export import export_model_dir, export_weights
 
@@ -424,6 +437,7 @@ def run_compile(args: argparse.Namespace) -> int:
 
     check_outputs({"-o": args.out}, {"--model": args.model if Path(args.model).exists() else None,
                                      "--hardware": args.hardware if Path(args.hardware).exists() else None})
+    _check_step_program(args.out)
     hw = _hardware(args)
     spec = _train(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes

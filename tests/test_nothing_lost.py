@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from megatrain import files
 from megatrain.cli import main
+from megatrain.codegen.emit import HEADER
 
 PLAN = ["plan", "--model", "tiny", "--hardware", "cpu", "--seq-len", "64", "--micro-batch", "2", "--gpu-mem", "6MiB"]
 TRAIN = ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "64", "--steps", "2",
@@ -94,7 +95,9 @@ def test_a_full_disk_leaves_every_previous_output_byte_for_byte(tmp_path, data, 
 
     for argv, out in outputs(tmp_path, data, ckpt):
         # an earlier output of the same kind (an export replaces a safetensors file, never a file of another kind)
-        before = save({"w": zeros(2)}) if out.suffix == ".safetensors" else f"the previous {out.name}\n".encode()
+        before = (save({"w": zeros(2)}) if out.suffix == ".safetensors" else
+                  f"{HEADER}(an earlier step program)\n".encode() if out.suffix == ".py" else
+                  f"the previous {out.name}\n".encode())
         out.write_bytes(before)
 
         def full(fd):
@@ -145,6 +148,19 @@ def test_a_new_run_into_a_folder_of_another_runs_checkpoints_is_refused(tmp_path
     rc, out, err = run([*same, "--resume", folder])
     assert rc == 0 and "nothing left to train" in out, err
     assert _digests(folder) == before
+
+
+def test_compile_replaces_only_a_step_program(tmp_path):
+    mine = tmp_path / "train.py"
+    mine.write_text("print('my own script')\n")
+    one_line(*run(["compile", *PLAN[1:], "-o", mine])[::2], "is not a step program megatrain wrote")
+    assert mine.read_text() == "print('my own script')\n"
+    step = tmp_path / "step.py"
+    assert run(["compile", *PLAN[1:], "-o", step])[0] == 0
+    first = step.read_bytes()
+    assert first.startswith(HEADER.encode())
+    assert run(["compile", *PLAN[1:-1], "8MiB", "-o", step])[0] == 0  # a regeneration replaces it
+    assert step.read_bytes() != first and step.read_bytes().startswith(HEADER.encode())
 
 
 def test_the_metrics_log_appends_and_ends_a_torn_line(tmp_path, data):
