@@ -69,12 +69,6 @@ class HFConfigError(ValueError):
     """A Hugging Face config megatrain cannot train exactly; the message names the field and the fix."""
 
 
-def is_model_dir(path: str | Path) -> bool:
-    """A folder given as --model: a Hugging Face model folder (config.json decides; a folder without one is
-    refused by `config_from_dir`)."""
-    return Path(path).is_dir()
-
-
 def read_json(path: Path, what: str, cap: int = MAX_CONFIG_BYTES) -> dict:
     """A JSON object from a regular file of at most `cap` bytes, or one line naming the file and the fix."""
     if not path.is_file():

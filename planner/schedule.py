@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from megatrain.ir.model_ir import ModelIR
 
 Placement = str  # "device" | "host" | "keep" | "rebuild"
-PLACEMENTS = ("device", "host", "keep", "rebuild")
 INSTR_FIELDS = ("op", "stream", "unit", "mb", "slot", "grad_slot", "event", "buffer", "keep_graph",
                 "accumulate", "rebuild", "norm", "host_grad", "shard", "reads", "writes", "workspace_bytes")
 

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 
 from megatrain.ir.program import Program
 
-from .transfers import staging_bytes
-
 
 @dataclass(frozen=True)
 class Timeline:
@@ -95,20 +93,6 @@ def buffer_timeline(program: Program) -> list[int]:
 def peak_buffer_bytes(program: Program) -> int:
     """Peak of Program buffers, static plus dynamic, no workspace: what a sim device's pool measures."""
     return program_timeline(program).peak_buffers
-
-
-def host_checkpoint_bytes(program: Program) -> int:
-    """Host bytes of offloaded checkpoints: every `host:` copy, kept to the end of the step (a pinned pool
-    allocated once at exact size and reused each step)."""
-    names = {ins.buffer for ins in program.instrs if ins.op == "offload_act"}
-    return sum(program.buffer(n).nbytes for n in names)
-
-
-def host_staging_bytes(program: Program) -> int:
-    """Pinned host bytes of the staging buffers that checkpoints longer than one staging chunk cross through
-    (their own host copies are pageable); 0 when none is."""
-    sizes = [program.buffer(ins.buffer).nbytes for ins in program.instrs if ins.op == "offload_act"]
-    return staging_bytes(max(sizes, default=0))
 
 
 def live_at(instrs: Sequence, static: Iterable[str], position: int) -> list[str]:

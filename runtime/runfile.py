@@ -127,15 +127,3 @@ def effective_settings(args: argparse.Namespace) -> dict:
     """The settings a parsed train command runs with, by flag name (unset optional values left out)."""
     return {k.replace("_", "-"): v for k, v in vars(args).items() if k not in _NOT_SETTINGS and v is not None}
 
-
-def to_toml(settings: dict) -> str:
-    """The settings as the lines of a run file."""
-    import json
-
-    lines = []
-    for k, v in settings.items():
-        if isinstance(v, bool) or isinstance(v, int | float):
-            lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}")
-        else:
-            lines.append(f"{k} = {json.dumps(str(v))}")
-    return "\n".join(lines)

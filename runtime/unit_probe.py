@@ -185,9 +185,6 @@ def _clipped_step(store: HostStore, name: str, e: ProbeEngine, st) -> None:
         store.clip_coef, store._barrier_step = None, None
 
 
-STREAM_OF = {"load_s": "h2d", "reload_s": "h2d", "store_s": "d2h", "offload_s": "d2h"}
-
-
 def _run_op(e: ProbeEngine, what: str, submit) -> None:
     if what.startswith("opt"):  # the host stream runs the store's step, as optimizer_step does
         e.device.submit("host", e._timed("host", what, submit), what)
