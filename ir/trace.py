@@ -242,7 +242,8 @@ def _check(config: ModelConfig, micro_batch: int, seq_len: int, target: str, chu
                          "micro-batch; use a smaller --micro-batch and more --grad-accum")
     if seq_len > config.max_seq_len:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_seq_len {config.max_seq_len}; "
-                         "lower --seq-len or raise max_seq_len in the config")
+                         "lower --seq-len or raise max_seq_len in the model config (max_position_embeddings in a "
+                         "Hugging Face folder's config.json)")
     if config.sliding_window is not None and seq_len > config.sliding_window:
         raise ValueError(f"seq_len {seq_len} exceeds the model's sliding attention window of {config.sliding_window} "
                          "tokens, which megatrain does not implement (it attends fully); use --seq-len "

@@ -12,7 +12,11 @@ must not be in effect: seq_len <= window). Every config.json field is mapped exp
 model's math become ModelConfig fields; fields with no effect on training (token ids, dtype, generation
 defaults) are listed in HARMLESS; a field that changes the math in a way megatrain does not implement (another
 RoPE type, a bias on o_proj or the MLP, an activation other than SiLU, dropout, quantization, custom code)
-and any field this module does not know are refused in one line naming the field. Nothing is approximated.
+and any field this module does not know are refused in one line naming the field. Nothing is approximated. A
+field the file leaves out takes transformers' default for its family, which is not one rule: Qwen3's head_dim
+is 128, Mistral's window (and Qwen's, with use_sliding_window) 4096 tokens, an absent num_key_value_heads 32
+for Qwen and 8 for Mistral where a null one is the number of heads, llama3 RoPE's original context length
+max_position_embeddings (tests/runtime/test_hf.py compares each with transformers' config classes).
 Both config formats are read: transformers 4 (`rope_theta`, `rope_scaling`, `torch_dtype`) and 5
 (`rope_parameters`, `dtype`); `hf_config` writes both, so either version loads an export without a warning.
 """
@@ -36,7 +40,9 @@ FAMILIES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForC
 ARCHITECTURE = {v: k for k, v in FAMILIES.items()}
 # transformers' defaults for the fields a config.json may omit (LlamaConfig, Qwen2Config, ...)
 DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
-DEFAULT_KV_HEADS = {"qwen2": 32, "qwen3": 32, "mistral": 8}  # when num_key_value_heads is absent (llama: = heads)
+DEFAULT_KV_HEADS = {"qwen2": 32, "qwen3": 32, "mistral": 8}  # when num_key_value_heads is absent (null, or llama: = heads)
+DEFAULT_HEAD_DIM = {"qwen3": 128}  # when head_dim is absent (null, or another family: hidden_size / heads)
+DEFAULT_WINDOW = 4096  # Mistral's and Qwen's sliding_window when the key is absent (Qwen: only with use_sliding_window)
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 MAPPED = frozenset({
     *REQUIRED, "num_key_value_heads", "head_dim", "rms_norm_eps", "tie_word_embeddings", "max_position_embeddings",
@@ -145,13 +151,14 @@ def config_from_hf(raw: dict, name: str = "hf", source: str = CONFIG_FILE) -> Mo
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise refuse("pretraining_tp", f"expected a positive integer, got {tp!r}")
     heads, d = raw["num_attention_heads"], raw["hidden_size"]
-    head_dim = raw.get("head_dim")
+    head_dim = raw.get("head_dim", DEFAULT_HEAD_DIM.get(family))
     if head_dim is not None and (not isinstance(head_dim, int) or head_dim <= 0):
         raise refuse("head_dim", f"expected a positive integer, got {head_dim!r}")
-    theta, scaling = _rope(raw, refuse)
+    theta, scaling = _rope(raw, refuse, raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[family]))
+    kv_heads = raw.get("num_key_value_heads", DEFAULT_KV_HEADS.get(family))
     fields: dict[str, Any] = dict(
         name=name, vocab_size=raw["vocab_size"], d_model=d, n_layers=raw["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=raw.get("num_key_value_heads") or DEFAULT_KV_HEADS.get(family, heads), ffn_dim=raw["intermediate_size"], rope_theta=theta,
+        n_kv_heads=heads if kv_heads is None else kv_heads, ffn_dim=raw["intermediate_size"], rope_theta=theta,
         rope_scaling=scaling, norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_embeddings=bool(raw.get("tie_word_embeddings", False)), qkv_bias=family == "qwen2",
         qk_norm=family == "qwen3", max_seq_len=raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS[family]),
@@ -165,8 +172,9 @@ def config_from_hf(raw: dict, name: str = "hf", source: str = CONFIG_FILE) -> Mo
         raise HFConfigError(f"{source}: {one_line(e)}") from None
 
 
-def _rope(raw: dict, refuse) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, llama3 scaling or None) from either config format."""
+def _rope(raw: dict, refuse, max_positions: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, llama3 scaling or None) from either config format; llama3's original context length
+    defaults to `max_positions` (max_position_embeddings), as transformers 5 fills it."""
     params = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
     theta = raw.get("rope_theta")
@@ -204,7 +212,7 @@ def _rope(raw: dict, refuse) -> tuple[float, RopeScaling | None]:
         return float(theta), RopeScaling(
             factor=scaling.get("factor"), low_freq_factor=scaling.get("low_freq_factor"),
             high_freq_factor=scaling.get("high_freq_factor"),
-            original_max_position=scaling.get("original_max_position_embeddings"))
+            original_max_position=scaling.get("original_max_position_embeddings", max_positions))
     except ValidationError as e:
         err = e.errors()[0]
         raise refuse(f"{field}.{err['loc'][0] if err['loc'] else 'llama3'}", err["msg"].removeprefix("Value error, ")
@@ -213,10 +221,12 @@ def _rope(raw: dict, refuse) -> tuple[float, RopeScaling | None]:
 
 def _window(raw: dict, family: str, refuse) -> int | None:
     """The attention window that applies to some layer, or None when every layer attends fully."""
-    window = raw.get("sliding_window")
+    window = raw.get("sliding_window", DEFAULT_WINDOW)
     if family == "mistral":
         used = window is not None
     elif family in ("qwen2", "qwen3"):
+        # transformers: the window is sliding_window (4096 if absent) with use_sliding_window, else none at all
+        slides = bool(raw.get("use_sliding_window"))
         types = raw.get("layer_types")
         if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
             raise refuse("layer_types", f"expected a list of strings, got {types!r}")
@@ -225,12 +235,16 @@ def _window(raw: dict, family: str, refuse) -> int | None:
             raise refuse("layer_types", f"{bad[0]!r} is not an attention type megatrain knows")
         if types is not None:
             used = "sliding_attention" in types
+            if used and not slides:
+                raise refuse("layer_types", "names sliding_attention layers while use_sliding_window is false, "
+                             "which leaves them no window (transformers refuses it too); set use_sliding_window "
+                             "to true or make every layer full_attention")
         else:  # transformers: layers from max_window_layers on slide when use_sliding_window is set
             first = raw.get("max_window_layers", 28)
-            used = bool(raw.get("use_sliding_window")) and isinstance(first, int) and first < raw["num_hidden_layers"]
+            used = slides and window is not None and isinstance(first, int) and first < raw["num_hidden_layers"]
     else:
         used = False
-        if window is not None:
+        if raw.get("sliding_window") is not None:
             raise refuse("sliding_window", f"is not a field of {ARCHITECTURE[family]}")
     if not used:
         return None

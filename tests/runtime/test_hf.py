@@ -195,6 +195,51 @@ def test_plan_a_real_shaped_config_json_counts_the_presets_parameters(tmp_path, 
     assert json.loads(capsys.readouterr().out)["params_total"] == summary["params"]
 
 
+SMALL = {"vocab_size": 320, "hidden_size": 256, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 32, "max_position_embeddings": 8192}
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+# config.json documents that leave a field to its family's default, or set it to null: transformers' defaults
+# are not one rule (Qwen3's head_dim is 128, not hidden / heads; Mistral and Qwen slide 4096 tokens; an absent
+# num_key_value_heads is 32 or 8 where a null one is the number of heads)
+DEFAULTED = [
+    ("LlamaForCausalLM", {}), ("LlamaForCausalLM", {"num_key_value_heads": None, "head_dim": None}),
+    ("LlamaForCausalLM", {"rope_scaling": LLAMA3_ROPE}),  # original_max_position_embeddings absent
+    ("LlamaForCausalLM", {"rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}}),
+    ("Qwen2ForCausalLM", {}), ("Qwen2ForCausalLM", {"num_key_value_heads": None, "num_attention_heads": 16}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "max_window_layers": 1}),  # sliding_window absent: 4096
+    ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": None, "max_window_layers": 1}),
+    ("Qwen2ForCausalLM", {"use_sliding_window": False, "sliding_window": 64, "max_window_layers": 1}),
+    ("Qwen3ForCausalLM", {}), ("Qwen3ForCausalLM", {"head_dim": 8}),
+    ("Qwen3ForCausalLM", {"use_sliding_window": True, "max_window_layers": 0}),
+    ("MistralForCausalLM", {}), ("MistralForCausalLM", {"sliding_window": None}),
+]
+
+
+@pytest.mark.parametrize("arch, fields", DEFAULTED)
+def test_absent_and_null_fields_take_transformers_defaults(arch, fields):
+    import transformers
+
+    raw = {"architectures": [arch], **SMALL, **fields}
+    theirs = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**raw)
+    ours = config_from_hf(raw)
+    assert ours.head_dim == (getattr(theirs, "head_dim", None) or raw["hidden_size"] // raw["num_attention_heads"])
+    assert ours.kv_heads == theirs.num_key_value_heads
+    slides = "sliding_attention" in (getattr(theirs, "layer_types", None) or ()) or (
+        arch == "MistralForCausalLM" and theirs.sliding_window is not None)
+    assert ours.sliding_window == (theirs.sliding_window if slides else None)
+    rope = theirs.rope_parameters
+    assert (ours.rope_scaling is None) == (rope["rope_type"] == "default")
+    if ours.rope_scaling is not None:
+        assert ours.rope_scaling.original_max_position == rope["original_max_position_embeddings"] == 8192
+
+
+def test_sliding_layers_without_use_sliding_window_are_refused():
+    raw = {"architectures": ["Qwen2ForCausalLM"], **SMALL, "use_sliding_window": False, "sliding_window": 16,
+           "layer_types": ["full_attention", "sliding_attention"]}
+    with pytest.raises(HFConfigError, match="layer_types: names sliding_attention layers while use_sliding_window"):
+        config_from_hf(raw)
+
+
 def test_llama31_rope_scaling_and_long_context_fields_map():
     config = config_from_hf(LLAMA31_8B)
     assert config.rope_scaling is not None and config.rope_scaling.factor == 8.0
