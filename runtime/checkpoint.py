@@ -55,6 +55,9 @@ STATE_FILE = "state.safetensors"
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
 _STEP_DIR = re.compile(r"step-(\d+)")
+OLD = ".old-"  # a checkpoint set aside while a rerun replaces it: .step-N.old-PID
+
+
 # -- manifests ---------------------------------------------------------------------------------------------------
 def _manifest_digest(body: dict) -> str:
     body = {k: v for k, v in body.items() if k != "manifest_sha256"}
@@ -113,11 +116,12 @@ def read_manifest(ckpt: Path) -> dict:
     step must be the folder's, its version one this megatrain reads, every file a plain name in the folder."""
     path = Path(ckpt) / MANIFEST
     if not path.is_file():
+        fix = (_earlier(Path(ckpt)) if _STEP_DIR.fullmatch(Path(ckpt).name) else
+               "pass a checkpoint folder (step-NNNNNNNN) or the folder holding them")
         raise CheckpointError(f"{path}: missing, so {ckpt} is not a complete checkpoint (a save that was "
-                              "interrupted leaves none under its final name); pass a checkpoint folder "
-                              "(step-NNNNNNNN) or the folder holding them")
+                              f"interrupted leaves none under its final name); {fix}")
     manifest = read_json(path, 64 << 20, "a checkpoint manifest", CheckpointError,
-                         "the manifest is corrupt; resume from another checkpoint")
+                         f"the manifest is corrupt; {_earlier(Path(ckpt))}")
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a megatrain checkpoint manifest (no \"format\": \"{FORMAT}\")")
     if manifest.get("version") != VERSION:
@@ -125,26 +129,29 @@ def read_manifest(ckpt: Path) -> dict:
                               f"version {VERSION} only: a newer megatrain wrote it, or the manifest was edited")
     if manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise CheckpointError(f"{path}: contents do not match the manifest's own sha256 (a flipped or edited "
-                              "byte): the manifest is corrupt; resume from another checkpoint")
+                              f"byte): the manifest is corrupt; {_earlier(Path(ckpt))}")
     try:
         Manifest.model_validate(manifest)
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "manifest"
-        raise CheckpointError(f"{path}: {where}: {err['msg']}; the manifest is not one megatrain wrote: resume "
-                              "from another checkpoint") from None
+        raise CheckpointError(f"{path}: {where}: {err['msg']}; the manifest is not one megatrain wrote; "
+                              f"{_earlier(Path(ckpt))}") from None
     m = _STEP_DIR.fullmatch(Path(ckpt).name)
     if m and int(m.group(1)) != manifest["step"]:
         raise CheckpointError(f"{path}: says step {manifest['step']} but its folder is {Path(ckpt).name}; the "
-                              "folder was renamed or the manifest edited: resume from another checkpoint")
+                              f"folder was renamed or the manifest edited; {_earlier(Path(ckpt))}")
     return manifest
 
 
 def step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """The complete checkpoints under `root` as (step, folder), oldest first."""
+    """The complete checkpoints under `root` as (step, folder), oldest first: step-NNNNNNNN folders holding a
+    manifest (a save writes it last, then renames the folder in). A folder of that name without one (an
+    interrupted copy, say) is not a checkpoint: never resumed from, never counted or pruned."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir() and (p / MANIFEST).is_file()]
     return sorted(found)
 
 
@@ -339,14 +346,19 @@ def finish_save(root: Path, final: Path, tmp: Path, body: dict, files: dict, rng
     fsync_dir(tmp)
     old = None
     if final.exists():  # a rerun from an earlier checkpoint reaches this step again: replace it
-        old = root / f".{final.name}.old-{os.getpid()}"
+        old = root / f".{final.name}{OLD}{os.getpid()}"
         os.replace(final, old)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        if old is not None:  # the earlier folder goes back (remove_stale does it after a kill here)
+            os.replace(old, final)
+        raise
     fsync_dir(root)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    if keep:
-        for _, path in step_dirs(root)[:-keep]:
+    if keep:  # the newest `keep` by step, never the folder just written (a rerun may find later ones)
+        for _, path in [sp for sp in step_dirs(root)[:-keep] if sp[1] != final]:
             doomed = root / f".{path.name}.del-{os.getpid()}"
             os.replace(path, doomed)  # NOTE: rename first, so a half-deleted folder never looks like a checkpoint
             shutil.rmtree(doomed, ignore_errors=True)
@@ -363,11 +375,19 @@ def _refuse_non_finite(state: dict[str, torch.Tensor], unit: str) -> None:
 
 
 def remove_stale(root: Path) -> None:
-    """Remove what interrupted saves and prunes of dead processes left behind (hidden .step-* folders)."""
+    """Clear what interrupted saves and prunes of dead processes left behind (hidden .step-* folders): a
+    checkpoint set aside to be replaced (`.step-N.old-PID`) whose replacement never arrived is renamed back,
+    everything else is removed."""
     for path in root.glob(".step-*"):
         pid = path.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        if OLD in path.name:
+            final = root / path.name[1:].split(OLD)[0]
+            if not final.exists():
+                os.replace(path, final)
+                continue
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

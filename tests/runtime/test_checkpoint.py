@@ -162,6 +162,63 @@ def test_interrupted_save_leaves_nothing_and_stale_temporaries_go(token_files, t
         assert list(tmp_path.iterdir()) == []  # neither the stale nor the failed temporary, no step-00000001
 
 
+def test_a_step_folder_without_a_manifest_is_no_checkpoint_and_never_costs_one(token_files, tmp_path):
+    with make(token_files, checkpoint_dir=tmp_path, checkpoint_every=2) as t:
+        t.run(4, progress=False)
+    junk = tmp_path / "step-00000009"  # an interrupted copy, say: the newest name, no manifest
+    junk.mkdir()
+    (junk / "embed.safetensors").write_bytes(b"x")
+    assert [s for s, _ in step_dirs(tmp_path)] == [2, 4]
+    assert find_checkpoint(tmp_path) == tmp_path / "step-00000004"
+    with make(token_files, checkpoint_dir=tmp_path, checkpoint_every=1, keep_checkpoints=1,
+              resume=tmp_path / "step-00000002") as t:
+        t.run(1, progress=False)  # saves step 3; keeps the newest (4) and the one it wrote, prunes 2
+    assert [s for s, _ in step_dirs(tmp_path)] == [3, 4] and (junk / "embed.safetensors").read_bytes() == b"x"
+    with pytest.raises(CheckpointError, match="use the previous checkpoint, .*step-00000004"):
+        make(token_files, resume=junk)
+
+
+def test_a_save_never_prunes_itself_when_a_rerun_finds_later_checkpoints(token_files, tmp_path):
+    with make(token_files, checkpoint_dir=tmp_path, checkpoint_every=2) as t:
+        t.run(4, progress=False)
+    with make(token_files, checkpoint_dir=tmp_path, checkpoint_every=1, keep_checkpoints=1,
+              resume=tmp_path / "step-00000002") as t:
+        t.run(1, progress=False)
+    assert [s for s, _ in step_dirs(tmp_path)] == [3, 4]  # the folder just written survives its own prune
+
+
+def test_a_failed_rename_puts_the_replaced_checkpoint_back(token_files, tmp_path, monkeypatch):
+    import os
+
+    from megatrain.runtime import checkpoint
+
+    with make(token_files, checkpoint_dir=tmp_path, checkpoint_every=2) as t:
+        t.run(2, progress=False)
+        before = _digests(tmp_path / "step-00000002")
+        real = os.replace
+
+        def flaky(src, dst):
+            if ".tmp-" in str(src):
+                raise OSError(5, "Input/output error (injected)")
+            return real(src, dst)
+
+        monkeypatch.setattr(checkpoint.os, "replace", flaky)
+        with pytest.raises(OSError, match="injected"):
+            t.save_checkpoint()  # the same step again
+        monkeypatch.undo()
+    assert _digests(tmp_path / "step-00000002") == before
+    # a kill between the two renames: the set-aside folder is renamed back by the next save's clean-up
+    os.rename(tmp_path / "step-00000002", tmp_path / ".step-00000002.old-999999999")
+    checkpoint.remove_stale(tmp_path)
+    assert _digests(tmp_path / "step-00000002") == before
+
+
+def _digests(folder) -> dict:
+    import hashlib
+
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
 # -- integrity ----------------------------------------------------------------------------------------------------
 def _flip(path, offset):
     data = bytearray(path.read_bytes())
