@@ -49,7 +49,7 @@ def export_weights(checkpoint: str | Path, out: str | Path, dtype: str = "fp32",
     rename = hf_name if names == "hf" else (lambda n: n)
     specs = _specs(manifest, rename, DTYPES[dtype], buffers=names == "megatrain")
     out = Path(out)
-    _refuse_inside(out, ckpt)
+    _refuse_inside(out, ckpt, manifest)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
         (record,) = _write_shards([tmp], [len(specs)], specs, manifest, ckpt, rename, buffers=names == "megatrain")
@@ -75,7 +75,7 @@ def export_model_dir(checkpoint: str | Path, out: str | Path, dtype: str = "fp32
     base = json.loads(read_extra(ckpt, manifest, "hf/config.json")) if "hf/config.json" in files else None
     cfg = hf_config(config, str(DTYPES[dtype]).removeprefix("torch."), base)
     out = Path(out)
-    _refuse_inside(out, ckpt)
+    _refuse_inside(out, ckpt, manifest)
     _check_replaceable(out)
     specs = _specs(manifest, hf_name, DTYPES[dtype], buffers=False)
     shards = _shard(specs, max_shard_bytes)
@@ -185,11 +185,20 @@ def _write_shards(paths: list[Path], counts: list[int], specs: list, manifest: d
     return records
 
 
-def _refuse_inside(out: Path, ckpt: Path) -> None:
+def _refuse_inside(out: Path, ckpt: Path, manifest: dict) -> None:
+    """--out must not touch the checkpoint it exports, nor the Hugging Face folder its run started from (the
+    base model: a save_pretrained folder holds exactly what an export writes, so nothing else would stop it)."""
     o, c = out.resolve(), ckpt.resolve()
     if o == c or c in o.parents or o in c.parents:
         raise ValueError(f"--out {out} lies inside (or holds) the checkpoint {ckpt} it exports; writing there could "
                          "destroy the checkpoint: choose a path outside it")
+    source = manifest.get("source") if isinstance(manifest.get("source"), dict) else {}
+    base = source.get("hf_dir")
+    if isinstance(base, str) and base:
+        b = Path(base).resolve()
+        if o == b or b in o.parents or o in b.parents:
+            raise ValueError(f"--out {out} is (or holds, or lies inside) {base}, the Hugging Face model this run "
+                             "was trained from; an export there would replace the base model: choose a new folder")
 
 
 def _check_replaceable(out: Path) -> None:

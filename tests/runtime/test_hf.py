@@ -142,6 +142,11 @@ def test_sharded_export_round_trips_and_replaces_an_earlier_export(tmp_path):
     assert main(["export", "--checkpoint", str(ck), "--out", str(out), "--dtype", "bf16"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    # ...but never over the base model the run started from (it holds just what an export writes)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    for target in (src, src / "model.safetensors"):
+        assert main(["export", "--checkpoint", str(ck), "--out", str(target)]) == 2
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
 
 
 def test_export_refuses_a_folder_it_did_not_write_and_a_path_inside_the_checkpoint(tmp_path, capsys):
