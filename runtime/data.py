@@ -304,8 +304,12 @@ def check_data_state(theirs: dict, mine: dict, keys: tuple[str, ...], allow_data
     (its fingerprint) must too, unless `allow_data_change` (a deliberate switch of data at a resume)."""
     diffs = [f"{k} {theirs.get(k)!r} vs {mine[k]!r}" for k in keys if theirs.get(k) != mine[k]]
     if diffs:
+        other = any(theirs.get(k) != mine[k] for k in ("n_tokens", "sha256"))
         raise DataError(f"resuming with a different data order ({'; '.join(diffs)}: checkpoint vs this run); "
-                        "resume with the checkpoint's data file and settings")
+                        "resume with the checkpoint's data file and settings" + (
+                            " (--allow-data-change covers bytes edited under the same sidecar, not other data: to "
+                            "train these weights on new data, `megatrain export` the checkpoint and start a run "
+                            "from the export with --model)" if other else ""))
     fp = theirs.get("fingerprint")
     if fp is not None and fp != mine["fingerprint"] and not allow_data_change:
         raise DataError(f"{mine['data']}: its bytes changed since the checkpoint was written ({fp.get('kind')} "

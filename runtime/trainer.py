@@ -305,6 +305,7 @@ class Trainer:
                 other = next(r for r, h in enumerate(hashes) if h != hashes[0])
                 raise ValueError(f"rank {other} planned another step program than rank 0: give every rank the same "
                                  "flags, model, hardware profile and megatrain version")
+            self._check_same_data()
             from .sharded_store import ShardedHostStore
 
             self.store = ShardedHostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
@@ -316,6 +317,21 @@ class Trainer:
                              comm=self.comm, compile_units=self.compile_units)
         if self._pause and self._pause[0] == "optimizer":
             self._pause_optimizer(self._pause[1])
+
+    def _check_same_data(self) -> None:
+        """Every rank draws its part of each global batch from the same data order: the ranks' data (its size,
+        sidecar hash and fingerprint, with the order's settings) must agree before any step, not only at a
+        resume, where the checkpoint records rank 0's alone."""
+        mine = None if self.batcher is None else {k: v for k, v in self.batcher.state(0).items()
+                                                  if k not in ("data", "step")}
+        every = self.comm.gather_objects(mine, what="the ranks' data")
+        other = next((r for r, d in enumerate(every) if d != every[0]), None)
+        if other is not None:
+            theirs, first = every[other] or {}, every[0] or {}
+            diff = [k for k in sorted({*theirs, *first}) if theirs.get(k) != first.get(k)]
+            raise DataError(f"rank {other} reads other data than rank 0 ({', '.join(diff) or '--data given to one'} "
+                            "differ): every rank must be given the same --data file (each trains on its own part of "
+                            "every batch)")
 
     def _profiled(self, ir, loss_chunk: int):
         """The hardware to plan with: with profile="auto", this machine's cached probe of the model's units

@@ -295,6 +295,9 @@ def test_resuming_on_changed_data_bytes_needs_allow_data_change(tmp_path, data):
     rc, out, err = run([*argv, "--allow-data-change"])
     assert rc == 0, err
     assert "resumed from" in out and (ck / "step-00000004").is_dir()
+    # other data (re-prepared: another sidecar) is another data order, which the flag cannot continue
+    one_line(*run([*base, "--data", data[1], "--resume", ck / "step-00000002", "--allow-data-change"])[::2],
+             "different data order", "not other data", "megatrain export")
 
 
 HOSTILE = st.recursive(st.none() | st.booleans() | st.integers(min_value=-2**200, max_value=2**200) |

@@ -241,6 +241,34 @@ def test_a_failing_rank_is_named_by_the_others(tmp_path):
     assert theirs.startswith("error: rank 1 failed: ValueError: MEGATRAIN_TEST_PAUSE_AT='bogus'"), theirs
 
 
+def test_ranks_given_different_data_are_refused_before_a_step(tmp_path):
+    """Each rank trains on its part of every global batch drawn from one data order: a rank given another
+    --data file is named by both before any step or checkpoint (a resume would have refused it only later)."""
+    from runtime_schedules import make_token_files
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    ours = make_token_files(tmp_path / "a")[0]
+    theirs = make_token_files(tmp_path / "b", phrase="pack my box with five dozen liquor jugs. ")[0]
+    port, ckpt = free_port(), tmp_path / "ck"
+    procs = [subprocess.Popen(_train_argv(tmp_path, "--data", str(data), "--checkpoint-every", "1",
+                                          "--checkpoint-dir", str(ckpt)),
+                              env=rank_env(r, 2, port, MEGATRAIN_CACHE=str(tmp_path / "cache")), cwd=tmp_path,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for r, data in enumerate((ours, theirs))]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    assert [p.returncode for p in procs] == [2, 2], outs[0][1][-2000:]
+    (line,) = _errors(outs[0][1])
+    assert "rank 1 reads other data than rank 0" in line and "fingerprint" in line, line
+    assert not ckpt.exists() or not [p for p in ckpt.iterdir() if p.name.startswith("step-")]
+
+
 # -- sharded checkpoints -----------------------------------------------------------------------------------------
 def _ckpt_argv(data, ckpt, steps=4, *extra) -> list[str]:
     return ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "8MiB", "--seq-len", "32", "--micro-batch",
