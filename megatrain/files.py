@@ -190,7 +190,7 @@ def write_atomic(path: str | Path, data: str | bytes, what: str = "") -> Path:
 
 
 @contextmanager
-def append_open(path: str | Path, what: str = "") -> Iterator[io.TextIOBase]:
+def append_open(path: str | Path, what: str = "") -> Iterator[_AppendLog]:
     """An append log: a torn last line (a kill mid-write) is ended first, so new lines stand on their own;
     each write is the caller's line, flushed when written (line buffering)."""
     out = Path(path)
@@ -205,14 +205,36 @@ def append_open(path: str | Path, what: str = "") -> Iterator[io.TextIOBase]:
         f = open(out, "a", encoding="utf-8", buffering=1)
     except OSError as e:
         raise ValueError(f"cannot write {label}: {e.strerror or e}; choose a writable path") from None
+    log = _AppendLog(f, label)
     try:
         if torn:
-            f.write("\n")
-        yield f
-    except OSError as e:
-        raise ValueError(f"cannot write {label}: {e.strerror or e}; the lines written so far are kept") from None
+            log.write("\n")
+        yield log
     finally:
         f.close()
+
+
+class _AppendLog:
+    """An append log's writes: a failure of one of them (a full disk under the log) is one line naming the log;
+    what fails in the caller's own work while the log is open is left to the caller."""
+
+    def __init__(self, f: io.TextIOBase, label: str):
+        self._f, self._label = f, label
+
+    def write(self, text: str) -> int:
+        try:
+            return self._f.write(text)
+        except OSError as e:
+            raise self._error(e) from None
+
+    def flush(self) -> None:
+        try:
+            self._f.flush()
+        except OSError as e:
+            raise self._error(e) from None
+
+    def _error(self, e: OSError) -> ValueError:
+        return ValueError(f"cannot write {self._label}: {e.strerror or e}; the lines written so far are kept")
 
 
 # -- checking ----------------------------------------------------------------------------------------------------

@@ -400,14 +400,23 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def manifest_policy(manifest: dict) -> str:
-    """The host policy a checkpoint's state was saved under (one from before host policies: exact)."""
-    return manifest.get("host_policy", "exact")
+def manifest_policy(manifest: dict, ckpt: Path | None = None) -> str:
+    """The host policy a checkpoint's state was saved under (one from before host policies: exact); one this
+    megatrain does not know (a newer one wrote it) is refused naming the checkpoint."""
+    from megatrain.planner.host_policy import POLICIES
+
+    policy = manifest.get("host_policy", "exact")
+    if policy not in POLICIES:
+        where = f"{ckpt / MANIFEST}: " if ckpt is not None else ""
+        raise CheckpointError(f"{where}the checkpoint holds its AdamW state under host policy {policy!r}, which "
+                              f"this megatrain does not know (it knows {', '.join(POLICIES)}); a newer megatrain "
+                              "wrote it: resume with that version")
+    return policy
 
 
 def check_policy(manifest: dict, policy: str, ckpt: Path) -> None:
     """The moments are stored in the policy's dtype: a resume must hold them the same way."""
-    theirs = manifest_policy(manifest)
+    theirs = manifest_policy(manifest, ckpt)
     if theirs != policy:
         raise CheckpointError(f"{ckpt / MANIFEST}: the checkpoint holds its AdamW state under host policy "
                               f"{theirs!r}, this run under {policy!r}; resume with --host-policy {theirs} (or auto), "

@@ -234,7 +234,7 @@ def _open_examples(path: Path, meta: dict, n_tokens: int) -> tuple[np.ndarray, n
 
 
 # -- batches ------------------------------------------------------------------------------------------------
-def _check_sizes(token_file: TokenFile, **sizes: int) -> None:
+def check_sizes(token_file: TokenFile, **sizes: int) -> None:
     for name, value in sizes.items():
         if not isinstance(value, int | np.integer) or value <= 0:
             raise DataError(f"{name} must be a positive integer, got {value!r}")
@@ -263,7 +263,7 @@ class Batcher:
     """
 
     def __init__(self, token_file: TokenFile, micro_batch: int, seq_len: int, n_micro_batches: int, seed: int = 0):
-        _check_sizes(token_file, micro_batch=micro_batch, seq_len=seq_len, n_micro_batches=n_micro_batches)
+        check_sizes(token_file, micro_batch=micro_batch, seq_len=seq_len, n_micro_batches=n_micro_batches)
         if not isinstance(seed, int | np.integer) or seed < 0:
             raise DataError(f"the data seed must be an integer >= 0, got {seed!r}")
         self.token_file = token_file
@@ -320,7 +320,7 @@ def check_data_state(theirs: dict, mine: dict, keys: tuple[str, ...], allow_data
 def eval_batches(token_file: TokenFile, micro_batch: int, seq_len: int, n_batches: int
                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed validation batches: n_batches * micro_batch windows evenly spaced over the file."""
-    _check_sizes(token_file, micro_batch=micro_batch, seq_len=seq_len, n_batches=n_batches)
+    check_sizes(token_file, micro_batch=micro_batch, seq_len=seq_len, n_batches=n_batches)
     last = token_file.n_tokens - seq_len - 1
     starts = np.linspace(0, last, n_batches * micro_batch).round().astype(np.int64)
     return [_windows(token_file, row, seq_len) for row in starts.reshape(n_batches, micro_batch)]

@@ -43,6 +43,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -61,7 +62,7 @@ from megatrain.planner.hardware import hardware_for_device
 
 from . import checkpoint
 from .cpus import resolve as resolve_cpus
-from .data import Batcher, DataError, TokenFile, eval_batches
+from .data import Batcher, DataError, TokenFile, check_sizes, eval_batches
 from .device import Device, make_device
 from .engine import Engine, evaluate
 from .examples import ExampleBatcher, example_eval_batches
@@ -193,6 +194,11 @@ class Trainer:
         # Cheap checks first: a bad data file or checkpoint is reported before anything big is allocated.
         self.data = self._open_data(data) if data else None
         self.val_data = self._open_data(val_data) if val_data else None
+        if self.val_data is not None:  # a file too short for one validation batch is refused now, not hours in
+            if self.val_data.examples is None:
+                check_sizes(self.val_data, micro_batch=train.micro_batch, seq_len=train.seq_len, n_batches=1)
+            else:
+                ExampleBatcher(self.val_data, train.micro_batch, train.seq_len, 1, seed=0, shuffle=False)
         self.pack = pack is not False and self.data is not None and self.data.examples is not None
         if pack and not self.pack:
             raise DataError(f"{data}: packing needs instruction data (examples); a token stream is cut into "
@@ -224,7 +230,7 @@ class Trainer:
             if manifest is not None:  # auto resumes under the checkpoint's host policy; another one is refused
                 if host_policy != "auto":
                     checkpoint.check_policy(manifest, host_policy, self.resumed_from)
-                host_policy = checkpoint.manifest_policy(manifest)
+                host_policy = checkpoint.manifest_policy(manifest, self.resumed_from)
             self.host_policy = host_policy
             self.last_checkpoint: Path | None = self.resumed_from
             if self.checkpoint_dir is not None:
@@ -313,6 +319,8 @@ class Trainer:
                                           init=init)
         self.store.check_finite = True
         self.store.stop_on_fault = self.on_nan == "abort"
+        if self.checkpoint_dir is not None and self.checkpoint_every and self.rank == 0:
+            self._check_checkpoint_space()
         self.engine = Engine(self.plan.ir, self.plan.program, self.device, self.store, loss_chunk=loss_chunk,
                              comm=self.comm, compile_units=self.compile_units)
         if self._pause and self._pause[0] == "optimizer":
@@ -445,16 +453,42 @@ class Trainer:
                 _pause_here(f"checkpoint:{self.step} after {name}")
         extra = {f"hf/{name}": self.model_dir / name for name in SOURCE_FILES
                  if self.model_dir and (self.model_dir / name).is_file()}
-        if self.comm is not None:
-            from .sharded_checkpoint import save
+        try:
+            if self.comm is not None:
+                from .sharded_checkpoint import save
 
-            self.last_checkpoint = save(self.checkpoint_dir, self.step, self.store, meta, self.comm, rng,
-                                        keep=self.keep_checkpoints, after_file=hook, extra=extra)
-        else:
-            self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_dir, self.step, self.store, meta,
-                                                              rng, keep=self.keep_checkpoints, after_file=hook,
-                                                              extra=extra)
+                self.last_checkpoint = save(self.checkpoint_dir, self.step, self.store, meta, self.comm, rng,
+                                            keep=self.keep_checkpoints, after_file=hook, extra=extra)
+            else:
+                self.last_checkpoint = checkpoint.save_checkpoint(self.checkpoint_dir, self.step, self.store, meta,
+                                                                  rng, keep=self.keep_checkpoints, after_file=hook,
+                                                                  extra=extra)
+        except OSError as e:  # a full disk, a lost mount: what the folder still holds is whole
+            kept = checkpoint.step_dirs(self.checkpoint_dir)
+            held = (f"the last checkpoint, {kept[-1][1]}, is intact (--resume {self.checkpoint_dir} continues "
+                    "from it)" if kept else "no earlier checkpoint is there")
+            raise checkpoint.CheckpointError(
+                f"cannot write checkpoint {self.checkpoint_dir / f'step-{self.step:08d}'}: {e.strerror or e}; "
+                f"{held}; free space there (one checkpoint is {format_bytes(self.checkpoint_bytes())}) or pass "
+                "another --checkpoint-dir") from None
         return self.last_checkpoint
+
+    def checkpoint_bytes(self) -> int:
+        """The bytes of this rank's unit files in one checkpoint: its masters, moments (and scales), buffers."""
+        return sum(t.nbytes for unit in self.store.units for t in self.store.state_tensors(unit).values())
+
+    def _check_checkpoint_space(self) -> None:
+        """A save writes a whole new checkpoint before it prunes an old one: the folder's filesystem must have
+        room for one now, not after the steps before the first save."""
+        where = self.checkpoint_dir
+        while not where.exists() and where != where.parent:
+            where = where.parent
+        need = self.checkpoint_bytes() * (1 if self.comm is None else self.comm.size)
+        free = shutil.disk_usage(where).free
+        if free < need:
+            raise checkpoint.CheckpointError(
+                f"--checkpoint-dir {self.checkpoint_dir}: {format_bytes(free)} free where a checkpoint takes "
+                f"{format_bytes(need)}; free space there or pass a --checkpoint-dir on a larger filesystem")
 
     # -- numerical faults --------------------------------------------------------------------------------------
     def _handle_faults(self, loss: float | None = None) -> None:

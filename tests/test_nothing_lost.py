@@ -163,6 +163,47 @@ def test_compile_replaces_only_a_step_program(tmp_path):
     assert step.read_bytes() != first and step.read_bytes().startswith(HEADER.encode())
 
 
+def test_a_full_disk_at_a_save_names_the_checkpoint_not_the_metrics_log(tmp_path, data, monkeypatch):
+    ck, metrics = tmp_path / "ck", tmp_path / "m.jsonl"
+    argv = [*TRAIN, "--steps", "4", "--data", data[0], "--checkpoint-every", "2", "--checkpoint-dir", ck,
+            "--metrics", metrics]
+    real = os.fsync
+
+    def full_after_the_first_save(fd):
+        if list(ck.glob(".step-00000004.tmp-*")):  # while the second save writes
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr("megatrain.runtime.checkpoint.os.fsync", full_after_the_first_save)
+    rc, _, err = run(argv)
+    one_line(rc, err, "cannot write checkpoint", "step-00000004", "No space left on device",
+             "step-00000002, is intact", f"--resume {ck}")
+    assert "--metrics" not in err
+    monkeypatch.undo()
+    assert run(["export", "--checkpoint", ck, "--out", tmp_path / "w.safetensors"])[0] == 0  # the first is whole
+
+
+def test_too_little_room_for_one_checkpoint_is_refused_before_training(tmp_path, data, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr("megatrain.runtime.trainer.shutil.disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    ck = tmp_path / "ck"
+    one_line(*run([*TRAIN, "--data", data[0], "--checkpoint-every", "1", "--checkpoint-dir", ck])[::2],
+             "free where a checkpoint takes", "--checkpoint-dir")
+    assert not ck.exists() or not [p for p in ck.iterdir() if p.name.startswith("step-")]
+
+
+def test_a_validation_file_too_short_for_one_batch_is_refused_at_start(tmp_path, data):
+    from megatrain.runtime.corpus import write_token_file
+
+    short = write_token_file(tmp_path / "short.bin", [b"print(1)\n"], source="test")
+    ck = tmp_path / "ck"
+    one_line(*run([*TRAIN, "--data", data[0], "--val-data", short, "--eval-every", "2", "--checkpoint-every", "1",
+                   "--checkpoint-dir", ck])[::2], "short.bin", "fewer than seq_len + 1")
+    assert not ck.exists() or not [p for p in ck.iterdir() if p.name.startswith("step-")]
+
+
 def test_the_metrics_log_appends_and_ends_a_torn_line(tmp_path, data):
     metrics = tmp_path / "m.jsonl"
     metrics.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')  # a kill mid-line
@@ -272,12 +313,14 @@ def _edit_manifest(ckpt_dir, tmp_path, name, **changes):
     ({"step": "2"}, "step: Input should be a valid integer"),
     ({"units": [{"name": "embed", "file": "../../etc/passwd", "params": []}]}, "units.0.file"),
     ({"files": {"x": {"bytes": "many", "sha256": "00"}}}, "files.x.bytes"),
+    ({"host_policy": "fp4"}, "host policy 'fp4', which this megatrain does not know"),
 ])
 def test_edited_manifests_are_refused_naming_the_field(tmp_path, data, ckpt, changes, message):
     bad = _edit_manifest(ckpt, tmp_path, "edit", **changes)
     one_line(*run([*TRAIN, "--data", data[0], "--resume", bad, "--checkpoint-every", "2"])[::2], "manifest.json",
              message)
-    one_line(*run(["export", "--checkpoint", bad, "--out", tmp_path / "w.safetensors"])[::2], message)
+    if "host_policy" not in changes:  # an export reads the fp32 masters alone, whatever holds the moments
+        one_line(*run(["export", "--checkpoint", bad, "--out", tmp_path / "w.safetensors"])[::2], message)
 
 
 def test_resuming_on_changed_data_bytes_needs_allow_data_change(tmp_path, data):
