@@ -32,7 +32,7 @@ from megatrain.models.hf import family_for, hf_config, hf_name
 from .checkpoint import find_checkpoint, read_extra, read_manifest, read_masters
 from .corpus import fsync_dir
 from .hf_load import INDEX, SOURCE_FILES
-from .tensorfiles import SafetensorsWriter
+from .tensorfiles import CheckpointError, SafetensorsWriter
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
@@ -52,7 +52,8 @@ def export_weights(checkpoint: str | Path, out: str | Path, dtype: str = "fp32",
     _refuse_inside(out, ckpt, manifest)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        (record,) = _write_shards([tmp], [len(specs)], specs, manifest, ckpt, rename, buffers=names == "megatrain")
+        (record,) = _pruned_aware(ckpt, lambda: _write_shards([tmp], [len(specs)], specs, manifest, ckpt, rename,
+                                                            buffers=names == "megatrain"))
         os.replace(tmp, out)
         fsync_dir(out.parent)
     except OSError as e:
@@ -86,7 +87,8 @@ def export_model_dir(checkpoint: str | Path, out: str | Path, dtype: str = "fp32
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        records = _write_shards([tmp / s for s in shard_names], shards, specs, manifest, ckpt, hf_name)
+        records = _pruned_aware(ckpt, lambda: _write_shards([tmp / s for s in shard_names], shards, specs, manifest,
+                                                            ckpt, hf_name))
         written = ["config.json", *shard_names]
         _write_json(tmp / "config.json", cfg)
         if n > 1:
@@ -183,6 +185,22 @@ def _write_shards(paths: list[Path], counts: list[int], specs: list, manifest: d
         if writer is not None:
             writer.abort()
     return records
+
+
+def _pruned_aware(ckpt: Path, read):
+    """`read()`; a checkpoint folder that vanished while it was read was pruned by the run still writing
+    beside it (--keep-checkpoints), which is no corruption: say so, and name the newest one."""
+    try:
+        return read()
+    except CheckpointError:
+        if ckpt.is_dir():
+            raise
+        try:
+            latest = f"the newest now is {find_checkpoint(ckpt.parent)}"
+        except CheckpointError:
+            latest = "none is left there"
+        raise CheckpointError(f"{ckpt}: removed while it was exported (the run writing beside it pruned it, "
+                              f"--keep-checkpoints); export again: {latest}") from None
 
 
 def _refuse_inside(out: Path, ckpt: Path, manifest: dict) -> None:

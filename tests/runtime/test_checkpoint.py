@@ -484,6 +484,23 @@ def test_export_of_a_corrupt_checkpoint_writes_nothing(saved, tmp_path, capsys):
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_an_export_racing_a_prune_says_so_and_names_the_newest(saved, tmp_path, monkeypatch, capsys):
+    from megatrain.runtime import export
+
+    ckpt = copy_ckpt(saved[0], tmp_path)
+    shutil.copytree(ckpt, ckpt.parent / "step-00000003")  # (a copy stands in for the run's newer checkpoint)
+    real = export._write_shards
+
+    def pruned_meanwhile(*args, **kw):  # the run writing beside the export prunes its checkpoint mid-read
+        shutil.rmtree(ckpt)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(export, "_write_shards", pruned_meanwhile)
+    assert main(["export", "--checkpoint", str(ckpt), "--out", str(tmp_path / "w.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert "removed while it was exported" in err and "step-00000003" in err and err.count("\n") == 1, err
+
+
 def test_hf_name_refuses_unknown_parameters():
     assert hf_name("blocks.11.self_attn.q_norm.weight") == "model.layers.11.self_attn.q_norm.weight"
     with pytest.raises(ValueError, match="--names megatrain"):
