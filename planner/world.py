@@ -60,7 +60,9 @@ class World(IRModel):
         if grad_accum % self.nproc:
             raise ValueError(f"--grad-accum {grad_accum} is not a multiple of --nproc {self.nproc}: the global step's "
                              f"micro-batches are split evenly across ranks (each runs grad_accum / nproc); use "
-                             f"--grad-accum {self.nproc * max(1, -(-grad_accum // self.nproc))}")
+                             f"--grad-accum {self.nproc * max(1, -(-grad_accum // self.nproc))}, or a number of "
+                             f"ranks that divides {grad_accum} ({', '.join(str(k) for k in range(1, grad_accum + 1) if grad_accum % k == 0)}"
+                             "; a resumed run keeps its checkpoint's --grad-accum)")
         return grad_accum // self.nproc
 
     def __str__(self) -> str:

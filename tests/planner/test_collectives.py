@@ -128,7 +128,8 @@ def test_the_scaling_table():
 
 @pytest.mark.parametrize("make, message", [
     (lambda: plan(IR, HW, TRAIN.replace(grad_accum=3), "8GiB", world=World(nproc=2)),
-     "--grad-accum 3 is not a multiple of --nproc 2"),
+     "--grad-accum 3 is not a multiple of --nproc 2: the global step.s micro-batches .* use --grad-accum 4, or a "
+     r"number of ranks that divides 3 \(1, 3;"),
     (lambda: World(nproc=6, nnodes=4), "--nproc 6 is not a multiple of --nnodes 4"),
     (lambda: plan(IR, HW.replace(intra_node_bytes_per_s=None), TRAIN, "8GiB", world=World(nproc=2)),
      "has no intra_node_bytes_per_s"),
