@@ -474,8 +474,11 @@ class Trainer:
         return self.last_checkpoint
 
     def checkpoint_bytes(self) -> int:
-        """The bytes of this rank's unit files in one checkpoint: its masters, moments (and scales), buffers."""
-        return sum(t.nbytes for unit in self.store.units for t in self.store.state_tensors(unit).values())
+        """The bytes of the unit files of one checkpoint (masters, moments and their scales, buffers), every
+        rank's shards counted: a sharded unit's part here times the ranks."""
+        sharded = getattr(self.store, "sharded", ())
+        return sum(sum(t.nbytes for t in self.store.shard_state(unit).values()) * self.comm.size if unit in sharded
+                   else sum(t.nbytes for t in self.store.state_tensors(unit).values()) for unit in self.store.units)
 
     def _check_checkpoint_space(self) -> None:
         """A save writes a whole new checkpoint before it prunes an old one: the folder's filesystem must have
@@ -483,7 +486,7 @@ class Trainer:
         where = self.checkpoint_dir
         while not where.exists() and where != where.parent:
             where = where.parent
-        need = self.checkpoint_bytes() * (1 if self.comm is None else self.comm.size)
+        need = self.checkpoint_bytes()
         free = shutil.disk_usage(where).free
         if free < need:
             raise checkpoint.CheckpointError(
