@@ -150,12 +150,24 @@ def _train_argv(tmp_path, *extra) -> list[str]:
             "--no-progress", "--dist-timeout", "20", *extra]
 
 
-def _ranks(argv, tmp_path, pause_rank1: str | None = None) -> list[subprocess.Popen]:
+def _ranks(argv, tmp_path, pause_rank1: str | None = None, argv1=None) -> list[subprocess.Popen]:
+    """Two ranks of `argv` (rank 1 runs `argv1` if given)."""
     port = free_port()
     cache = {"MEGATRAIN_CACHE": str(tmp_path / "cache")}
-    return [subprocess.Popen(argv, env=rank_env(r, 2, port, **cache, **(
+    return [subprocess.Popen(argv1 if r == 1 and argv1 else argv, env=rank_env(r, 2, port, **cache, **(
         {"MEGATRAIN_TEST_PAUSE_AT": pause_rank1} if r == 1 and pause_rank1 else {})), cwd=tmp_path, text=True,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE) for r in range(2)]
+
+
+def _outputs(procs) -> list[tuple[str, str]]:
+    """Each rank's (stdout, stderr) once it exits (or TIMEOUT_S); none is left running."""
+    try:
+        return [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
 
 
 def _errors(stderr: str) -> list[str]:
@@ -196,13 +208,7 @@ def test_a_hung_rank_is_named_when_the_collective_times_out(tmp_path):
     after --dist-timeout and it stops with one line naming rank 1 as the one that never arrived; rank 1, left
     alone, stops too (its watchdog finds rank 0 gone) instead of sleeping on."""
     procs = _ranks(_train_argv(tmp_path, "--dist-timeout", "8"), tmp_path, pause_rank1="optimizer:2")
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    outs = _outputs(procs)
     assert [p.returncode for p in procs] == [2, 2], outs[0][1][-3000:]
     (line,) = _errors(outs[0][1])
     assert "rank 1 did not reach a collective within 8 s" in line and "rank 0 stops" in line, line
@@ -233,7 +239,7 @@ def test_a_rank_killed_while_saving_loses_no_checkpoint(tmp_path):
 def test_a_failing_rank_is_named_by_the_others(tmp_path):
     """Rank 1 raises before training (a bad test-hook value): rank 0 says which rank failed and why."""
     procs = _ranks(_train_argv(tmp_path), tmp_path, pause_rank1="bogus")
-    outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+    outs = _outputs(procs)
     assert [p.returncode for p in procs] == [2, 2], outs[0][1][-2000:]
     (mine,) = _errors(outs[1][1])
     assert "MEGATRAIN_TEST_PAUSE_AT='bogus'" in mine
@@ -250,19 +256,11 @@ def test_ranks_given_different_data_are_refused_before_a_step(tmp_path):
     (tmp_path / "b").mkdir()
     ours = make_token_files(tmp_path / "a")[0]
     theirs = make_token_files(tmp_path / "b", phrase="pack my box with five dozen liquor jugs. ")[0]
-    port, ckpt = free_port(), tmp_path / "ck"
-    procs = [subprocess.Popen(_train_argv(tmp_path, "--data", str(data), "--checkpoint-every", "1",
-                                          "--checkpoint-dir", str(ckpt)),
-                              env=rank_env(r, 2, port, MEGATRAIN_CACHE=str(tmp_path / "cache")), cwd=tmp_path,
-                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for r, data in enumerate((ours, theirs))]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+    ckpt = tmp_path / "ck"
+    argv = [_train_argv(tmp_path, "--data", str(data), "--checkpoint-every", "1", "--checkpoint-dir", str(ckpt))
+            for data in (ours, theirs)]
+    procs = _ranks(argv[0], tmp_path, argv1=argv[1])
+    outs = _outputs(procs)
     assert [p.returncode for p in procs] == [2, 2], outs[0][1][-2000:]
     (line,) = _errors(outs[0][1])
     assert "rank 1 reads other data than rank 0" in line and "fingerprint" in line, line
