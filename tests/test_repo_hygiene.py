@@ -1,8 +1,10 @@
 """The repository stands on its own: no file names a path of a development machine or a folder outside the
-repository, and the architecture it cites is in it (docs/DESIGN.md, linked from the README)."""
+repository, the architecture it cites is in it (docs/DESIGN.md, linked from the README), and a regular (not
+editable) install ships every subpackage."""
 
 import re
 import subprocess
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,3 +41,16 @@ def test_the_architecture_is_in_the_repository():
         if path.suffix == ".py" and path.is_file():
             cited |= set(re.findall(r"docs/DESIGN\.md (\d+(?:\.\d+)?)", path.read_text(errors="replace")))
     assert cited and cited <= sections, sorted(cited - sections)
+
+
+def test_every_subpackage_is_in_the_distribution():
+    """An editable install finds any folder with an __init__.py; a wheel holds only the listed packages (a
+    missing megatrain.models.depth made every command of a regular install fail to import)."""
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    found = set()
+    for name, folder in setup["package-dir"].items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder)
+            found.add(".".join([name, *rel.parts]))
+    assert found <= listed, f"subpackages missing from pyproject.toml's packages: {sorted(found - listed)}"
