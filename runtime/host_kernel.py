@@ -96,8 +96,11 @@ def _build() -> Path:
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
                                      _cpu().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"host_kernel-{key}.so"
-    if out.exists():
+    digest = out.with_name(out.name + ".sha256")
+    if _intact(out, digest):
         return out
+    # NOTE: a cached library that is not byte for byte the one built (truncated, garbage, another library) is
+    # built again: loading a truncated one kills the process with SIGBUS
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
@@ -106,11 +109,24 @@ def _build() -> Path:
                              timeout=BUILD_TIMEOUT_S)
         if run.returncode != 0:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:500]}")
+        sha = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, out)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".sha256.tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(sha + "\n")
+        os.replace(tmp, digest)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def _intact(lib: Path, digest: Path) -> bool:
+    """Whether `lib` is the library its build recorded in `digest` (its sha256), byte for byte."""
+    try:
+        return digest.read_text().strip() == hashlib.sha256(lib.read_bytes()).hexdigest()
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 def _load() -> None:
@@ -123,11 +139,11 @@ def _load() -> None:
         return
     try:
         lib = ctypes.CDLL(str(_build()))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _state["why_not"] = f"could not build {SOURCE.name}: {e}"
+        lib.mt_adamw.restype = None
+        lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+        _state["why_not"] = f"could not build or load {SOURCE.name}: {e}"
         return
-    lib.mt_adamw.restype = None
-    lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
     from .host_state import self_check  # NOTE: host_state imports this module; the check needs both paths
 
     for guess in dict.fromkeys((lanes, *OTHER_LANES)):

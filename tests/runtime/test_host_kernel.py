@@ -6,6 +6,7 @@ its bits differ falls back to the torch path and says why.
 tests/runtime/test_exactness.py (it runs whichever path this machine uses).
 """
 
+import os
 import shutil
 
 import pytest
@@ -172,7 +173,27 @@ def test_the_build_is_cached_and_leaves_no_partial_file(fresh_kernel):
     assert first.parent == fresh_kernel and first.suffix == ".so"
     stamp = first.stat().st_mtime_ns
     assert host_kernel._build() == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in fresh_kernel.iterdir()] == [first.name]
+    assert sorted(p.name for p in fresh_kernel.iterdir()) == [first.name, first.name + ".sha256"]
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+@pytest.mark.parametrize("spoil", ["truncate", "garbage", "another-library", "no-digest"])
+def test_a_spoiled_cached_library_is_built_again(fresh_kernel, spoil):
+    """A cached library that is not the one built (loading a truncated one was SIGBUS; a garbage one turned
+    the kernel off for good) is rebuilt before anything loads it."""
+    lib = host_kernel._build()
+    good = lib.read_bytes()
+    if spoil == "truncate":
+        lib.write_bytes(good[: len(good) // 3])
+    elif spoil == "garbage":
+        lib.write_bytes(os.urandom(100))
+    elif spoil == "another-library":
+        lib.write_bytes(good[:-64] + bytes(64))
+    else:
+        lib.with_name(lib.name + ".sha256").unlink()
+    host_kernel._state.clear()
+    assert host_kernel.available(), host_kernel.why_not()
+    assert lib.read_bytes() == good and not list(fresh_kernel.glob("*.tmp"))
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
@@ -181,7 +202,7 @@ def test_a_compiler_error_is_reported_not_raised(fresh_kernel, monkeypatch, tmp_
     bad.write_text("this is not C\n")
     monkeypatch.setattr(host_kernel, "SOURCE", bad)
     assert not host_kernel.available()
-    assert "could not build broken.c" in host_kernel.why_not()
+    assert "could not build or load broken.c" in host_kernel.why_not()
     assert not list(fresh_kernel.glob("*.tmp"))
 
 
