@@ -237,6 +237,30 @@ class _AppendLog:
         return ValueError(f"cannot write {self._label}: {e.strerror or e}; the lines written so far are kept")
 
 
+# -- the cache ---------------------------------------------------------------------------------------------------
+def cache_root() -> Path:
+    """megatrain's cache (built kernels, the prepared default corpus, probed profiles): $MEGATRAIN_CACHE, else
+    ~/.cache/megatrain. What is there is rebuilt when missing or spoiled; nothing there is a user's only copy."""
+    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain")
+
+
+def cache_error(e: OSError, what: str, folder: Path | None = None) -> ValueError:
+    """The one line for a cache that cannot be written (an unwritable or missing HOME, a read-only cache)."""
+    return ValueError(f"cannot write {what} in megatrain's cache {folder or cache_root()} ({e.strerror or e}); "
+                      "set MEGATRAIN_CACHE to a writable folder")
+
+
+def check_cache_writable(folder: Path, what: str) -> None:
+    """Before work whose result goes into the cache (a probe's minutes of measuring): `folder` exists or is
+    made, and takes a file."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".writable-"):
+            pass
+    except OSError as e:
+        raise cache_error(e, what, folder) from None
+
+
 # -- checking ----------------------------------------------------------------------------------------------------
 def input_path(text: str) -> str:
     """argparse type of a path the command reads: refuses an empty one (it would mean "nothing" to some

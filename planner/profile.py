@@ -32,7 +32,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError
 
-from megatrain.files import read_json, write_atomic
+from megatrain.files import cache_root, check_cache_writable, read_json, write_atomic
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
@@ -137,7 +137,7 @@ def cache_dir() -> Path:
     ~/.cache/megatrain/profiles."""
     if os.environ.get("MEGATRAIN_PROFILES"):
         return Path(os.environ["MEGATRAIN_PROFILES"])
-    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "profiles"
+    return cache_root() / "profiles"
 
 
 def cache_path(key: str) -> Path:
@@ -164,5 +164,5 @@ def read_cached(key: str):
 def write_cached(hw) -> Path:
     """Cache a Hardware profile carrying a UnitProfile under its key."""
     path = cache_path(hw.units.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_cache_writable(path.parent, "a probed profile")
     return write_atomic(path, hw.to_json(indent=1) + "\n", "the profile cache")

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain.files import input_path
+from megatrain.files import cache_error, cache_root, input_path
 
 from .data import DOC_END, DataError, TokenFile, sidecar_path
 from .tokenizer import Tokenizer
@@ -365,33 +365,43 @@ def cached_default_corpus(val_fraction: float = 0.05, seed: int = 0, tokenizer: 
         key.update(f"tokenizer {tok.sha256}\n".encode())
     for p in files:
         key.update(f"{p.relative_to(root).as_posix()}\t{p.stat().st_size}\n".encode())
-    cache = Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain")
+    cache = cache_root()
     out = cache / f"corpus-{key.hexdigest()[:16]}"
     train, val = out / "train.bin", out / "val.bin"
     if _complete(train, val):
         return train, val
     # NOTE: built in a private folder and renamed into place whole: processes sharing the cache (the ranks of
     # a world) never see a token file without its sidecar, and the first complete copy wins
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=cache))
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=cache))
+    except OSError as e:
+        raise cache_error(e, "the default corpus") from None
     try:
         prepare(None, tmp, val_fraction, seed, tokenizer=tok)
         try:
             os.rename(tmp, out)
         except OSError:  # another process's copy is in place, or a broken one is in the way
             if not _complete(train, val):
-                shutil.rmtree(out, ignore_errors=True)
+                if out.is_dir() and not out.is_symlink():
+                    shutil.rmtree(out, ignore_errors=True)
+                else:
+                    out.unlink(missing_ok=True)
                 os.rename(tmp, out)
+    except OSError as e:
+        raise cache_error(e, "the default corpus") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return train, val
 
 
 def _complete(*paths: Path) -> bool:
+    """Whether the cached token files are whole: each opens and its bytes match its sidecar's sha256 (a
+    spoiled copy in the cache is built again, not blamed on the user's data)."""
     try:
         for path in paths:
-            TokenFile.open(path)
-    except DataError:
+            TokenFile.open(path).verify()
+    except (DataError, OSError):
         return False
     return True
 

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from megatrain.files import cache_root
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_kernel.c")
@@ -64,7 +66,7 @@ _lock = threading.Lock()
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("MEGATRAIN_CACHE") or Path.home() / ".cache" / "megatrain") / "kernels"
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str | None:

@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from megatrain.files import check_cache_writable
 from megatrain.ir.model_ir import ModelIR, UnitIR
 from megatrain.ir.program import Program
 from megatrain.ir.trace import DTYPES
@@ -36,6 +37,7 @@ from megatrain.planner.host_policy import resolve
 from megatrain.planner.profile import (
     UnitProfile,
     UnitTimes,
+    cache_dir,
     config_sha,
     profile_key,
     read_cached,
@@ -369,7 +371,9 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
 
 def probe_hardware(ir: ModelIR, machine: Hardware, kind: str = "sim", *, cache: bool = True, **kw) -> Hardware:
     """`machine` with a UnitProfile of `ir` measured now on this machine's `kind` device, written to the
-    profile cache when `cache`."""
+    profile cache when `cache` (checked writable first: a probe measures for minutes)."""
+    if cache:
+        check_cache_writable(cache_dir(), "a probed profile")
     units = probe_units(ir, kind, **kw)
     hw = machine.replace(units=units, name=f"{machine.name} + units of {ir.model}",
                          source=f"{machine.source}; unit profile {units.key} measured {units.measured_at}")

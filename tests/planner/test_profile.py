@@ -69,6 +69,20 @@ def test_a_profile_of_another_shape_is_not_used(tiny):
     assert c.fwd == roofline.fwd and c.dispatch_s == 0.0
 
 
+def test_an_unwritable_profile_cache_is_refused_before_a_probe_measures(tiny, tmp_path, monkeypatch):
+    from megatrain.runtime import unit_probe
+
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MEGATRAIN_PROFILES", str(blocker / "profiles"))
+    monkeypatch.setattr(unit_probe, "probe_units", lambda *a, **k: pytest.fail("measured before the check"))
+    with pytest.raises(ValueError, match="cannot write a probed profile in megatrain's cache .*MEGATRAIN_CACHE"):
+        unit_probe.probe_hardware(tiny, hardware_preset("cpu"))
+    hw = hardware_preset("cpu").replace(units=synthetic_profile(tiny))
+    with pytest.raises(ValueError, match="cannot write a probed profile"):
+        pr.write_cached(hw)
+
+
 def test_cache_roundtrip_and_corrupt_entries(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MEGATRAIN_PROFILES", str(tmp_path))
     prof = synthetic_profile(tiny)

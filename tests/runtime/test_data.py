@@ -3,6 +3,7 @@ batches as a pure function of (seed, step), evaluation batches, the default corp
 
 import argparse
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -280,6 +281,23 @@ def test_cached_default_corpus_is_built_once(tmp_path, monkeypatch):
     assert [p.name for p in (tmp_path / "cache").iterdir()] == [train.parent.name]  # no private folder left
     x, y = Batcher(tf, 2, 128, 1, seed=0).batch(0)[0]
     assert len(decode(x[0])) > 0
+    good = train.read_bytes()
+    spoiled = bytearray(good)
+    spoiled[1000:1010] = b"\xff" * 10  # same size, bytes the sidecar's sha256 no longer matches
+    train.write_bytes(bytes(spoiled))
+    assert cached_default_corpus() == (train, val) and train.read_bytes() == good  # rebuilt, not blamed on --data
+    shutil.rmtree(train.parent)
+    train.parent.write_text("a file where the corpus folder goes")
+    assert cached_default_corpus() == (train, val) and train.read_bytes() == good
+
+
+def test_a_cache_that_cannot_be_written_is_one_line_naming_megatrain_cache(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(blocker / "cache"))
+    with pytest.raises(ValueError, match=r"cannot write the default corpus in megatrain's cache .*set "
+                                         r"MEGATRAIN_CACHE to a writable folder"):
+        cached_default_corpus()
 
 
 def test_ranks_sharing_a_cache_never_see_half_a_default_corpus(tmp_path, monkeypatch):
