@@ -8,7 +8,9 @@ fix; it is printed as `error: ...` with exit code 2 and no traceback (`--debug` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import traceback
 
@@ -159,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().print_help()
             return 0
         return int(args.func(args) or 0)
+    except BrokenPipeError:  # the reader of our output went away (`| head`): nothing left to say, as cat does
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141
     except Exception as e:
         if not _is_user_error(e):
             raise

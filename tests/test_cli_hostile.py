@@ -357,3 +357,16 @@ def test_layer_count_is_bounded(files):
     path.write_text(json.dumps({"base": "tiny", "n_layers": 100000}))
     rc, _, err = run_cli(["plan", "--model", str(path), "--hardware", "cpu", "--seq-len", "64"])
     assert_one_line(rc, err, "n_layers")
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly():
+    """`megatrain inspect ... | head -c 10`: the pipe closes under the output; the command ends as cat does
+    (141, the SIGPIPE code), with no "error: [Errno 32] Broken pipe"."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-m", "megatrain", "inspect", "--model", "llama3-70b", "--seq-len", "8192",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == "", err
