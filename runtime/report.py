@@ -43,6 +43,8 @@ class Run(IRModel):
     records: tuple[dict, ...]
     events: tuple[dict, ...] = ()
     torn: bool = Field(False, description="the last line was cut off (the run was writing or was killed)")
+    relogged: int = Field(0, description="step records of a step logged before (a resume re-logs the steps "
+                          "after its checkpoint; a run started afresh on the same file logs from step 1 again)")
 
     @property
     def tokens_per_step(self) -> int:
@@ -72,7 +74,7 @@ def read_metrics(path: str | Path, label: str | None = None) -> Run:
         raise ValueError(f"{path}: not a text file; is this a `megatrain train --metrics` file?") from None
     steps: dict[int, dict] = {}
     events: list[dict] = []
-    torn = False
+    torn, relogged = False, 0
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -97,11 +99,12 @@ def read_metrics(path: str | Path, label: str | None = None) -> Run:
             if not ok(rec[key]):
                 raise ValueError(f"{path} line {n}: {key} must be {what}, got {json.dumps(rec[key])[:40]}; is "
                                  "this a `megatrain train --metrics` file?")
+        relogged += rec["step"] in steps
         steps[rec["step"]] = rec
     if not steps:
         raise ValueError(f"{path}: no step records (train with --metrics {path} to write some)")
     return Run(label=label or p.stem, path=str(path), records=tuple(steps[k] for k in sorted(steps)),
-               events=tuple(events), torn=torn)
+               events=tuple(events), torn=torn, relogged=relogged)
 
 
 def labels(paths: list[str]) -> list[str]:
@@ -151,6 +154,9 @@ def summary_lines(run: Run) -> list[str]:
     if skipped:
         out.append(f"  {len(skipped)} step(s) skipped for a NaN/inf: "
                    + ", ".join(str(e["step"]) for e in run.events if e.get("event") == "skipped"))
+    if run.relogged:
+        out.append(f"  ({run.relogged} step record(s) repeat a step logged earlier in the file, by a resume or a "
+                   "new run on the same file: the last record of each step is shown)")
     if run.torn:
         out.append("  (the last line was cut off and is skipped)")
     return out

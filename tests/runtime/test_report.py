@@ -5,7 +5,7 @@ import json
 import pytest
 
 from megatrain.cli import main
-from megatrain.runtime.report import labels, read_metrics
+from megatrain.runtime.report import labels, read_metrics, summary_lines
 
 
 def _write(path, records, tail=""):
@@ -26,6 +26,7 @@ def test_torn_line_events_and_relogged_steps(tmp_path):
     assert run.records[1]["loss"] == 9.0 and run.torn and len(run.events) == 1
     assert run.tokens_per_step == 128 and run.series("val_loss") == ([512], [3.5])
     assert run.skipped_tokens() == [256] and run.label == "run"
+    assert run.relogged == 1 and any("1 step record(s) repeat a step" in line for line in summary_lines(run))
 
 
 @pytest.mark.parametrize("text, needle", [
