@@ -33,6 +33,8 @@ def lay_out(site: Path, root: Path = ROOT) -> list[str]:
     tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
     site.mkdir(parents=True, exist_ok=True)
     for name in tool["packages"]:
+        if name not in tool["package-dir"]:  # a subpackage (models.depth, codegen.templates): in its parent's link
+            continue
         src = root / tool["package-dir"][name]
         dst = site.joinpath(*name.split("."))
         if name == "megatrain":  # the top package: its files, its subpackages linked beside them
