@@ -159,7 +159,9 @@ def check_fresh_folder(root: Path, resumed_from: Path | None) -> None:
     """A run writes (and prunes) checkpoints in `root`: refused where `root` holds another run's, i.e. any
     checkpoint when the run starts fresh, or when it resumes from a checkpoint outside `root`."""
     found = step_dirs(root)
-    if not found or (resumed_from is not None and Path(resumed_from).resolve().parent == root.resolve()):
+    # NOTE: the folder holding the resumed step, not the target of a step that is a link (linked in by hand)
+    holder = Path(os.path.abspath(resumed_from)).parent.resolve() if resumed_from is not None else None
+    if not found or holder == root.resolve():
         return
     latest = found[-1][1]
     started = "resumes from " + str(resumed_from) if resumed_from is not None else "starts from scratch"
@@ -356,12 +358,12 @@ def finish_save(root: Path, final: Path, tmp: Path, body: dict, files: dict, rng
         raise
     fsync_dir(root)
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     if keep:  # the newest `keep` by step, never the folder just written (a rerun may find later ones)
         for _, path in [sp for sp in step_dirs(root)[:-keep] if sp[1] != final]:
             doomed = root / f".{path.name}.del-{os.getpid()}"
             os.replace(path, doomed)  # NOTE: rename first, so a half-deleted folder never looks like a checkpoint
-            shutil.rmtree(doomed, ignore_errors=True)
+            _remove(doomed)
 
 
 def _refuse_non_finite(state: dict[str, torch.Tensor], unit: str) -> None:
@@ -387,6 +389,15 @@ def remove_stale(root: Path) -> None:
             if not final.exists():
                 os.replace(path, final)
                 continue
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    """Delete a (set-aside) checkpoint folder; a symbolic link in a checkpoint's place is unlinked, never
+    followed (rmtree refuses links, which left hidden .del links behind)."""
+    if path.is_symlink():
+        path.unlink(missing_ok=True)
+    else:
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -213,6 +213,20 @@ def test_a_failed_rename_puts_the_replaced_checkpoint_back(token_files, tmp_path
     assert _digests(tmp_path / "step-00000002") == before
 
 
+def test_a_linked_step_folder_is_pruned_as_a_link_and_its_target_kept(token_files, tmp_path):
+    with make(token_files, checkpoint_dir=tmp_path / "a", checkpoint_every=2) as t:
+        t.run(2, progress=False)
+    elsewhere = tmp_path / "a" / "step-00000002"
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "step-00000002").symlink_to(elsewhere, target_is_directory=True)  # a checkpoint linked in by hand
+    before = _digests(elsewhere)
+    with make(token_files, checkpoint_dir=ck, checkpoint_every=2, keep_checkpoints=1, resume=ck) as t:
+        t.run(2, progress=False)  # saves step 4, prunes step 2: the link
+    assert _digests(elsewhere) == before  # its target untouched
+    assert sorted(p.name for p in ck.iterdir()) == [".megatrain.lock", "step-00000004"]  # no hidden link left
+
+
 def _digests(folder) -> dict:
     import hashlib
 
