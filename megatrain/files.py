@@ -26,6 +26,7 @@ import argparse
 import io
 import json
 import os
+import shutil
 import stat
 import tempfile
 from collections.abc import Iterator
@@ -235,6 +236,26 @@ class _AppendLog:
 
     def _error(self, e: OSError) -> ValueError:
         return ValueError(f"cannot write {self._label}: {e.strerror or e}; the lines written so far are kept")
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a folder we own (a temporary, a set-aside checkpoint, a spoiled cache entry), or the link or
+    file in its place: a symbolic link is unlinked, never followed (rmtree refuses links and left them)."""
+    if path.is_symlink() or path.is_file():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one of another user counts: not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 # -- the cache ---------------------------------------------------------------------------------------------------

@@ -22,13 +22,13 @@ if TYPE_CHECKING:
 BARS = " ▁▂▃▄▅▆▇█"
 
 
-
 def _count(n: int) -> str:
     """12.3B, 455M, 103k: a parameter count at a readable scale."""
     for scale, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
         if n >= scale:
             return f"{n / scale:.3g}{unit}"
     return str(n)
+
 
 def render(*items, width: int) -> str:
     buf = io.StringIO()

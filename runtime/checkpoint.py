@@ -39,7 +39,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, ValidationError
 from pydantic_core import to_jsonable_python
 
-from megatrain.files import read_json
+from megatrain.files import pid_alive, read_json, remove_tree
 
 from .corpus import fsync_dir
 from .tensorfiles import (  # noqa: F401  (CheckpointError and the readers are part of this module's API)
@@ -120,8 +120,10 @@ def read_manifest(ckpt: Path) -> dict:
                "pass a checkpoint folder (step-NNNNNNNN) or the folder holding them")
         raise CheckpointError(f"{path}: missing, so {ckpt} is not a complete checkpoint (a save that was "
                               f"interrupted leaves none under its final name); {fix}")
-    manifest = read_json(path, 64 << 20, "a checkpoint manifest", CheckpointError,
-                         f"the manifest is corrupt; {_earlier(Path(ckpt))}")
+    try:
+        manifest = read_json(path, 64 << 20, "a checkpoint manifest", CheckpointError, "the manifest is corrupt")
+    except CheckpointError as e:  # the earlier checkpoint is looked up only when it is needed
+        raise CheckpointError(f"{e}; {_earlier(Path(ckpt))}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a megatrain checkpoint manifest (no \"format\": \"{FORMAT}\")")
     if manifest.get("version") != VERSION:
@@ -358,12 +360,12 @@ def finish_save(root: Path, final: Path, tmp: Path, body: dict, files: dict, rng
         raise
     fsync_dir(root)
     if old is not None:
-        _remove(old)
+        remove_tree(old)
     if keep:  # the newest `keep` by step, never the folder just written (a rerun may find later ones)
         for _, path in [sp for sp in step_dirs(root)[:-keep] if sp[1] != final]:
             doomed = root / f".{path.name}.del-{os.getpid()}"
             os.replace(path, doomed)  # NOTE: rename first, so a half-deleted folder never looks like a checkpoint
-            _remove(doomed)
+            remove_tree(doomed)
 
 
 def _refuse_non_finite(state: dict[str, torch.Tensor], unit: str) -> None:
@@ -382,33 +384,14 @@ def remove_stale(root: Path) -> None:
     everything else is removed."""
     for path in root.glob(".step-*"):
         pid = path.name.rsplit("-", 1)[-1]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         if OLD in path.name:
             final = root / path.name[1:].split(OLD)[0]
             if not final.exists():
                 os.replace(path, final)
                 continue
-        _remove(path)
-
-
-def _remove(path: Path) -> None:
-    """Delete a (set-aside) checkpoint folder; a symbolic link in a checkpoint's place is unlinked, never
-    followed (rmtree refuses links, which left hidden .del links behind)."""
-    if path.is_symlink():
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
+        remove_tree(path)
 
 
 def manifest_policy(manifest: dict, ckpt: Path | None = None) -> str:

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain.files import cache_error, cache_root, input_path
+from megatrain.files import cache_error, cache_root, input_path, pid_alive, remove_tree
 
 from .data import DOC_END, DataError, TokenFile, sidecar_path
 from .tokenizer import Tokenizer
@@ -254,12 +254,8 @@ def _remove_stale(out: Path) -> None:
     """The hidden folders of prepares that died before they finished (their pid is gone)."""
     for p in out.glob(".prepare-*"):
         pid = p.name.removeprefix(".prepare-")
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
+        if pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(p, ignore_errors=True)
-        except (ValueError, PermissionError):
-            pass  # not ours to judge
 
 
 def _publish(tmp: Path, out: Path) -> None:
@@ -383,10 +379,7 @@ def cached_default_corpus(val_fraction: float = 0.05, seed: int = 0, tokenizer: 
             os.rename(tmp, out)
         except OSError:  # another process's copy is in place, or a broken one is in the way
             if not _complete(train, val):
-                if out.is_dir() and not out.is_symlink():
-                    shutil.rmtree(out, ignore_errors=True)
-                else:
-                    out.unlink(missing_ok=True)
+                remove_tree(out)
                 os.rename(tmp, out)
     except OSError as e:
         raise cache_error(e, "the default corpus") from None

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain.files import cache_root
+from megatrain.files import cache_root, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +113,7 @@ def _build() -> Path:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:500]}")
         sha = hashlib.sha256(Path(tmp).read_bytes()).hexdigest()
         os.replace(tmp, out)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".sha256.tmp")
-        with os.fdopen(fd, "w") as f:
-            f.write(sha + "\n")
-        os.replace(tmp, digest)
+        write_atomic(digest, sha + "\n", "the kernel cache")
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -143,7 +140,7 @@ def _load() -> None:
         lib = ctypes.CDLL(str(_build()))
         lib.mt_adamw.restype = None
         lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
-    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
+    except (OSError, ValueError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         _state["why_not"] = f"could not build or load {SOURCE.name}: {e}"
         return
     from .host_state import self_check  # NOTE: host_state imports this module; the check needs both paths
