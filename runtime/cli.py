@@ -238,9 +238,13 @@ def run_train(args: argparse.Namespace) -> int:
           f"{size // max(local, 1)} node(s): drop the flags or make them agree")
     device, hardware = _device_and_hardware(args)
     comm = Communicator.from_env(device, timeout_s=args.dist_timeout)
-    with comm.guard():
-        code = _run_train(args, device, hardware, comm)
-        comm.close()
+    try:
+        with comm.guard():  # publishes this rank's failure for the others first
+            code = _run_train(args, device, hardware, comm)
+            comm.close()
+    except BaseException:
+        comm.shutdown()
+        raise
     return code
 
 

@@ -346,11 +346,17 @@ class Communicator:
             if self.failure is None:
                 self.barrier("the closing barrier")
         finally:
-            self._stop.set()
-            if self._watchdog.is_alive():
-                self._watchdog.join(timeout=2 * self.beat_s + 1)
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+            self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the watchdog and destroy the groups, with no closing barrier (after a failure the others are
+        stopping too). A process that exits with its gloo group alive can abort at exit ("terminate called
+        without an active exception") instead of ending with its exit code."""
+        self._stop.set()
+        if self._watchdog.is_alive():
+            self._watchdog.join(timeout=2 * self.beat_s + 1)
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
     def __repr__(self) -> str:
         return (f"Communicator(rank {self.rank} of {self.size}, {self.nnodes} node(s), {self.backend}, timeout "
