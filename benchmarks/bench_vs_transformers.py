@@ -11,7 +11,9 @@ step, fp32, AdamW (fused) with clipping at 1.0, trained four ways:
   save memory);
 - `streamed-56MiB`: megatrain on the sim device under a 56 MiB budget (below the model's 75 MiB of weights):
   the planner's schedule, units recomputed from checkpoints;
-- `streamed-1GiB`: megatrain with a budget that holds everything: the planner keeps the graphs (no recompute).
+- `streamed-1GiB`: megatrain with a budget that holds everything: the planner keeps the graphs (no recompute);
+- with `--full-recompute`, `streamed-56MiB-full`: the low budget again, its recomputes evaluating the blocks'
+  down projections too (as before models/unevaluated.py), to measure what leaving them unevaluated saves.
 
 Step time is the steady period of back-to-back steps: for megatrain, the time between the final states (host
 optimizer done, `Engine.final_time`) of consecutive steps, so the optimizer's time counts; for transformers,
@@ -24,6 +26,7 @@ round) and the median and range over rounds are printed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -34,6 +37,7 @@ import torch
 from megatrain.models import preset
 from megatrain.models.hf import hf_config
 from megatrain.planner import TrainSpec
+from megatrain.runtime import engine
 from megatrain.runtime.trainer import Trainer
 
 MiB = 2**20
@@ -82,18 +86,34 @@ class HF:
 
 
 class Streamed:
-    def __init__(self, model: str, budget: int, compile_units: bool = False):
+    def __init__(self, model: str, budget: int, compile_units: bool = False, full_recompute: bool = False):
         self.trainer = Trainer(model, SPEC, budget, device="sim", compile_units=compile_units)
+        self.full_recompute = full_recompute
 
     def steps(self, batch, n: int) -> list[float]:
         tr = self.trainer
         first = tr.engine.step_index
-        t0 = time.perf_counter()
-        for _ in range(n):
-            tr.train_step(batch)
-        tr.device.synchronize()
+        with _full_recompute(self.full_recompute):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                tr.train_step(batch)
+            tr.device.synchronize()
         finals = [t0] + [tr.engine.final_time(first + k) for k in range(n)]
         return [b - a for a, b in zip(finals, finals[1:])]
+
+
+@contextlib.contextmanager
+def _full_recompute(on: bool):
+    """The backward's recompute evaluating every product (as before models/unevaluated.py), for comparison."""
+    if not on:
+        yield
+        return
+    saved = engine.recompute_mode
+    engine.recompute_mode = lambda kind: {}
+    try:
+        yield
+    finally:
+        engine.recompute_mode = saved
 
 
 def main(argv=None) -> int:
@@ -103,6 +123,8 @@ def main(argv=None) -> int:
                     "weights, and one that holds everything (default 56,1024)")
     ap.add_argument("--compile-units", action="store_true", help="also run both streamed ways with the units "
                     "through torch.compile (runtime/compiled.py); the warm-up round compiles")
+    ap.add_argument("--full-recompute", action="store_true", help="also run the low budget with recomputes that "
+                    "evaluate every product (the down projection included, as before models/unevaluated.py)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds after a warm-up round")
     ap.add_argument("--steps", type=int, default=3, help="steps of each way per round (one more is dropped)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the main thread and the sim "
@@ -119,6 +141,9 @@ def main(argv=None) -> int:
         for name, budget in zip(streamed, (low, high)):
             ways[f"{name}+compile"] = Streamed(args.model, budget * MiB, compile_units=True)
         streamed = (*streamed, *(f"{n}+compile" for n in streamed))
+    if args.full_recompute:
+        ways[f"{streamed[0]}-full"] = Streamed(args.model, low * MiB, full_recompute=True)
+        streamed = (*streamed, f"{streamed[0]}-full")
     for name in streamed:
         p = ways[name].trainer.plan
         print(f"{name}: {p.n_slots} slot(s), checkpoints "

@@ -55,6 +55,7 @@ class ChunkFigures(IRModel):
     chunk_tokens: int | None
     flops_fwd: int
     flops_bwd: int = Field(description="includes the tiles' recompute in backward")
+    flops_recompute: int | None = Field(None, description="as UnitIR's")
     saved_bytes: int
     peak_fwd_bytes: int
     peak_bwd_bytes: int
@@ -79,6 +80,9 @@ class UnitIR(IRModel):
     carry_out: tuple[TensorSpec, ...]
     flops_fwd: int = Field(description="forward FLOPs for one micro-batch (FlopCounterMode)")
     flops_bwd: int = Field(description="backward FLOPs for one micro-batch, recompute excluded")
+    flops_recompute: int | None = Field(
+        None, description="FLOPs of the forward a backward recomputes from the checkpoint, which skips work whose "
+        "values no gradient reads (models/unevaluated.py); None: flops_fwd")
     attn_flops_fwd: int = Field(0, description="of flops_fwd, the fused attention's: quadratic in the sequence, "
                                 "counted in full (T x T) as FlopCounterMode does, though causal kernels skip half")
     attn_flops_bwd: int = Field(0, description="of flops_bwd, the fused attention's")
@@ -96,6 +100,11 @@ class UnitIR(IRModel):
     )
     chunk_options: tuple[ChunkFigures, ...] = Field(
         (), description="the unit's figures untiled and at each candidate chunk size (empty: not priced)")
+
+    @property
+    def recompute_flops(self) -> int:
+        """FLOPs of the forward that a backward recomputes (flops_recompute, else the whole forward's)."""
+        return self.flops_fwd if self.flops_recompute is None else self.flops_recompute
 
     @property
     def n_params(self) -> int:

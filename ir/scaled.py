@@ -181,6 +181,7 @@ class Measured:
     loss_chunk: int
     flops_fwd: Counter  # {"linear" | "attention": FLOPs}
     flops_bwd: Counter
+    flops_recompute: Counter  # the forward as a backward recomputes it (models/unevaluated.py)
     saved: Counter  # class -> bytes
     fwd_sums: set
     bwd_sums: set
@@ -225,7 +226,8 @@ class Measured:
         t = self.scale.seq if self.scale is not None else seq
         attention = {f"attn_flops_{k}": c["attention"] * seq * seq // (t * t)
                      for k, c in (("fwd", self.flops_fwd), ("bwd", self.flops_bwd))}
-        return dict(flops_fwd=self._flops(self.flops_fwd, seq), flops_bwd=self._flops(self.flops_bwd, seq), **attention,
+        return dict(flops_fwd=self._flops(self.flops_fwd, seq), flops_bwd=self._flops(self.flops_bwd, seq),
+                    flops_recompute=self._flops(self.flops_recompute, seq), **attention,
                     saved_bytes=self._bytes(self.saved.items(), seq, chunk), peak_fwd_bytes=peak(self.fwd_sums),
                     peak_bwd_bytes=peak(self.bwd_sums), graph_nodes=self._nodes(seq, chunk),
                     rebuild_bytes=None if self.rebuild is None else self._bytes(self.rebuild.items(), seq, chunk))

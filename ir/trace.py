@@ -34,6 +34,7 @@ from megatrain.models.moe import moe_layers
 from megatrain.models.presets import load_model_config
 from megatrain.models.transformer import (
     StepInputs,
+    recompute_mode,
     rope_tables,
     template_key,
     templates,
@@ -151,14 +152,14 @@ def _measure(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch
         graph_nodes = len(graph.graph.nodes)
 
     before = Counter(tiled.iterations())
-    with torch.no_grad(), LiveBytes(scale, existing) as fwd_mem:
+    fwd_flops, rec_flops, bwd_flops = FlopCount(), FlopCount(), FlopCount()
+    with torch.no_grad(), LiveBytes(scale, existing) as fwd_mem, fwd_flops:
         out = run_unit(template, params, carry, inputs, buffers)
         fwd_mem.exclude(out)  # the next unit's carry (the head's: the loss), a program buffer
     del out
     iters = tiled.iterations() - before
 
     saved: dict[int, tuple] = {}
-    fwd_flops, bwd_flops = FlopCount(), FlopCount()
     with LiveBytes(scale, existing) as bwd_mem, torch.enable_grad():  # a caller's no_grad() must not hide the backward
 
         def pack(t: torch.Tensor):
@@ -167,8 +168,9 @@ def _measure(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch
                 saved[key] = bwd_mem.storage_class(t)
             return t
 
-        with fwd_flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = run_unit(template, params, carry, inputs, buffers)
+        # as a backward's recompute runs it (a forward that keeps its graph saves the same tensors)
+        with rec_flops, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run_unit(template, params, carry, inputs, buffers, **recompute_mode(template.kind))
         grads_out = [torch.ones_like(o) for o in out]
         with bwd_flops:
             grads = torch.autograd.grad(out, [*params.values(), *carry], grads_out, allow_unused=True)
@@ -181,7 +183,7 @@ def _measure(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch
     for cls, n in saved.values():
         saved_classes[cls] += n
     return Measured(scale=scale, loss_chunk=inputs.loss_chunk, flops_fwd=fwd_flops.counts,
-                    flops_bwd=bwd_flops.counts, saved=saved_classes, fwd_sums=fwd_sums,
+                    flops_bwd=bwd_flops.counts, flops_recompute=rec_flops.counts, saved=saved_classes, fwd_sums=fwd_sums,
                     bwd_sums=bwd_sums, graph_nodes=graph_nodes if graph_nodes is not None else
                     fwd_mem.ops + len(params) + len(carry) + 1, ops=fwd_mem.ops,
                     region_ops=fwd_mem.region_ops, region_iters=iters)
@@ -369,7 +371,7 @@ class _Runner:
 
 
 def _option(f: dict) -> dict:
-    return {k: f[k] for k in ("flops_fwd", "flops_bwd", "saved_bytes", "peak_fwd_bytes", "peak_bwd_bytes",
+    return {k: f[k] for k in ("flops_fwd", "flops_bwd", "flops_recompute", "saved_bytes", "peak_fwd_bytes", "peak_bwd_bytes",
                               "graph_nodes")}
 
 

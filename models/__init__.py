@@ -10,6 +10,7 @@ from .transformer import (
     decays,
     init_weights,
     packing,
+    recompute_mode,
     rope_tables,
     templates,
     tied_params,
@@ -18,6 +19,6 @@ from .transformer import (
 
 __all__ = [
     "PRESETS", "ConfigError", "EagerModel", "ModelConfig", "StepInputs", "build_eager", "decays", "flat_layout",
-    "init_weights", "load_model_config", "pack", "packing", "preset", "rope_tables", "run_unit", "template_layout",
-    "templates", "tied_params", "unit_names", "views",
+    "init_weights", "load_model_config", "pack", "packing", "preset", "recompute_mode", "rope_tables", "run_unit",
+    "template_layout", "templates", "tied_params", "unit_names", "views",
 ]

@@ -33,6 +33,7 @@ from .config import ModelConfig
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 from .moe import MoEFFN, reset_buffers
 from .tiled import tiled
+from .unevaluated import unevaluated
 
 Carry = tuple[Tensor, ...]
 
@@ -285,8 +286,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.d_model, c.ffn_dim, bias=False)
         self.down_proj = nn.Linear(c.ffn_dim, c.d_model, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, value_unused: bool = False) -> Tensor:
+        """`value_unused`: the caller reads no value of the result, only back-propagates through it (a
+        recompute): the down projection is recorded for autograd but not computed (unevaluated.py)."""
+        h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if value_unused:
+            with unevaluated():
+                return self.down_proj(h)
+        return self.down_proj(h)
 
 
 class EmbedUnit(nn.Module):
@@ -347,9 +354,12 @@ class BlockUnit(nn.Module):
         what it needs; `rebuild=` maps back; `side=` recomputes with the recorded inputs)."""
         return getattr(getattr(self, "mix", None), "rebuildable", False)
 
-    def sublayers(self, inputs: StepInputs):
+    def sublayers(self, inputs: StepInputs, recompute: bool = False):
         """The two sub-layers as functions of their input (B, T, d); tiled when `inputs` asks for chunks
-        shorter than the sequence (an MoE feed-forward routes over the whole micro-batch: never tiled)."""
+        shorter than the sequence (an MoE feed-forward routes over the whole micro-batch: never tiled).
+        `recompute`: the feed-forward's output is only added to the residual stream and the block's output
+        is not read (a backward's recompute of a residual block), so a dense MLP leaves its last matmul
+        unevaluated."""
         def attn(h: Tensor) -> Tensor:
             chunk = inputs.tiles(h.shape[1])
             if chunk is not None:
@@ -361,14 +371,19 @@ class BlockUnit(nn.Module):
             if chunk is not None and isinstance(self.mlp, MLP):
                 mods = {"norm": self.post_attention_layernorm, "mlp": self.mlp}
                 return tiled(lambda m, x, s, e: (m["mlp"](m["norm"](x)),), mods, h, chunk)[0]
+            if recompute and isinstance(self.mlp, MLP):
+                return self.mlp(self.post_attention_layernorm(h), value_unused=True)
             return self.mlp(self.post_attention_layernorm(h))
 
         return attn, ffn
 
-    def forward(self, carry: Carry, inputs: StepInputs, **mode) -> Carry:
-        attn, ffn = self.sublayers(inputs)
-        if hasattr(self, "mix"):
-            return self.mix(carry, (attn, ffn), **mode)
+    def forward(self, carry: Carry, inputs: StepInputs, recompute: bool = False, **mode) -> Carry:
+        """`recompute`: the caller back-propagates through the output but reads none of its values (the
+        backward's recompute from a checkpoint, runtime/engine.py); a residual block then skips work whose
+        value no gradient needs, and its output holds garbage. Gradients are the same bits either way."""
+        if hasattr(self, "mix"):  # a depth mixing weighs the sub-layers' outputs: their values are needed
+            return self.mix(carry, self.sublayers(inputs), **mode)
+        attn, ffn = self.sublayers(inputs, recompute)
         (h,) = carry
         h = h + attn(h)
         return (h + ffn(h),)
@@ -399,6 +414,12 @@ class HeadUnit(nn.Module):
         x = self.norm(x)
         x = x.reshape(-1, x.shape[-1])
         return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, target=inputs.target),)
+
+
+def recompute_mode(kind: str) -> dict:
+    """The forward mode of a unit of `kind` recomputed for its backward (its output's values unread): a
+    block's `recompute=True`; the embedding and the head have none."""
+    return {"recompute": True} if kind == "block" else {}
 
 
 def unit_names(config: ModelConfig) -> list[str]:

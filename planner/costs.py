@@ -5,8 +5,9 @@ model both price ops here, so they agree on every figure. Try it:
 `python -c "from megatrain.planner.costs import ADAMW_BYTES; print(ADAMW_BYTES)"`.
 
 - forward: flops_fwd / achievable matmul FLOP/s + fx graph nodes x dispatch overhead;
-- backward: (flops_bwd + flops_fwd unless the unit kept its graph, + flops_fwd again when it rebuilds its
-  carry-in) / FLOP/s + 2 x nodes x overhead;
+- backward: (flops_bwd + the recompute's FLOPs unless the unit kept its graph (flops_fwd less what a
+  recompute leaves unevaluated, UnitIR.recompute_flops), + flops_fwd again when it rebuilds its carry-in) /
+  FLOP/s + 2 x nodes x overhead;
 - load_params / load_act: bytes / h2d bandwidth + copy latency. A bf16 unit's source is cast from its fp32
   master into the pinned staging ring as it loads (host_policy.py), in chunks that overlap the link: its
   load takes max(link, cast), the cast moving 6 B/param (read 4, write 2) at host memory bandwidth;
@@ -72,7 +73,8 @@ class CostModel:
         self.opt_rate = rate
         self.opt = [u.n_params * per_param / rate for u in ir.units]
         self.clip = len(ir.units) * 1e-6
-        self.fwd_graph, self.recompute, self.rebuild = list(self.fwd), list(self.fwd), list(self.fwd)
+        self.fwd_graph, self.rebuild = list(self.fwd), list(self.fwd)
+        self.recompute = [u.recompute_flops / flops + u.graph_nodes * hw.op_overhead_s for u in ir.units]
         self.fwd_record, self.norm = list(self.fwd), [0.0] * len(ir.units)
         self.dispatch_s = self.event_latency_s = self.step_gap_s = 0.0
         self.contention: dict[str, dict[str, float]] = {}

@@ -49,6 +49,7 @@ def _compiled(name: str, template: nn.Module) -> Callable:
     compiled = torch.compile(fn)  # NOTE: static shapes first; a shape that changes (packed documents) goes dynamic
 
     def run(template_, params, carry, inputs, buffers=None, **mode):
+        mode.pop("recompute", None)  # compiled, a recompute runs the whole forward (models/unevaluated.py is eager)
         if mode:  # a depth mixing's record / rebuild / side: eager
             return run_unit(template_, params, carry, inputs, buffers, **mode)
         bound = params if not buffers else {**params, **buffers}

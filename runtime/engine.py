@@ -43,6 +43,7 @@ from megatrain.models import (
     ModelConfig,
     StepInputs,
     packing,
+    recompute_mode,
     rope_tables,
     routing,
     templates,
@@ -254,8 +255,9 @@ class Engine:
             else:
                 replay = self.routing_logs.get(unit, {}).get(mb)  # the row counts its forward read
                 with routing.step_context(None, scale, replay=replay.counts if replay else None):
-                    # a recompute: route as the forward did (no read from the device), record nothing
-                    params, carry, out, _ = self._forward_with_graph(u, slot, mb, side)
+                    # a recompute: route as the forward did (no read from the device), record nothing; its
+                    # output is only back-propagated through, so a block skips what no gradient reads
+                    params, carry, out, _ = self._forward_with_graph(u, slot, mb, side, recompute=True)
             if u.kind == "head":
                 grad_out = (torch.full((), 1.0 / self.n_tokens, dtype=out[0].dtype, device=out[0].device),)
             else:
@@ -450,8 +452,9 @@ class Engine:
         return StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=self.loss_chunk,
                           chunk_tokens=self.ir.chunk_tokens, **packed)
 
-    def _forward_with_graph(self, u: UnitIR, slot: int, mb: int, side=None):
-        """Forward with autograd from the unit's checkpoint; returns (params, carry, out, saved bytes)."""
+    def _forward_with_graph(self, u: UnitIR, slot: int, mb: int, side=None, recompute: bool = False):
+        """Forward with autograd from the unit's checkpoint; returns (params, carry, out, saved bytes).
+        `recompute`: for a backward that reads none of `out`'s values (models/transformer.py BlockUnit)."""
         params = {n: v.detach().requires_grad_() for n, v in self._params(u, slot).items()}
         buffers = self._buffers(u, slot)
         carry = tuple(c.detach().requires_grad_(c.is_floating_point()) for c in self._carry(u, mb))
@@ -468,7 +471,9 @@ class Engine:
             return t
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            mode = {} if side is None else {"side": side}
+            mode = recompute_mode(u.kind) if recompute else {}
+            if side is not None:
+                mode["side"] = side
             out = self._run(u, params, carry, inputs, buffers, **mode)
         return params, carry, out, sum(saved.values())
 

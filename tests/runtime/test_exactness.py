@@ -154,3 +154,31 @@ def test_one_slot_reload_schedules(placement):
     model, eager_losses = eager_train(TINY, batches, train)
     store, losses, _ = streamed_train(p, batches)
     _assert_same(store, losses, model, eager_losses)
+
+
+def test_recomputes_leave_the_down_projection_unevaluated(monkeypatch):
+    """Guard against a vacuous pass: in a schedule that recomputes, every recomputed block's backward ran
+    its down projection unevaluated (models/unevaluated.py), and the run still equals eager bit for bit."""
+    import contextlib
+
+    from megatrain.models import transformer
+
+    entered = []
+
+    @contextlib.contextmanager
+    def counting():
+        entered.append(1)
+        with unevaluated():
+            yield
+
+    unevaluated = transformer.unevaluated
+    train = _train(3, 1.0)
+    batches = make_batches(TINY, train, steps=2)
+    model, eager_losses = eager_train(TINY, batches, train)
+    p = min(plans_by_shape(TINY, train).values(), key=lambda p: p.gpu_budget_bytes)
+    recomputed = [u for u, where in p.placement.items() if u.startswith("blocks.") and where != "keep"]
+    assert recomputed, p.placement
+    monkeypatch.setattr(transformer, "unevaluated", counting)
+    store, losses, _ = streamed_train(p, batches)
+    assert len(entered) == len(recomputed) * train.grad_accum * len(batches)
+    _assert_same(store, losses, model, eager_losses)
