@@ -87,13 +87,17 @@ def _wide(t: Tensor) -> Tensor:
 
 class _Tiled(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, piece: _Piece, names: tuple[str, ...], chunk: int, in_dim: int, out_dims: tuple[int, ...],
-                x: Tensor, *params: Tensor):
+    def forward(ctx, piece: _Piece, again: _Piece, skip: bool, names: tuple[str, ...], chunk: int, in_dim: int,
+                out_dims: tuple[int, ...], x: Tensor, *params: Tensor):
         bound = dict(zip(names, params))
         xd = x.detach()  # NOTE: a view of x made here would still require grad (and trip module hooks)
         T = x.shape[in_dim]
         outs: list[Tensor] | None = None
-        for s in range(0, T, chunk):
+        if skip:  # nothing computed: the outputs' shapes from an empty chunk, their values left uninitialised
+            ys = functional_call(piece, bound, (xd.narrow(in_dim, 0, 0), 0, 0), strict=True)
+            outs = [torch.empty(_with(y.shape, d, T), dtype=y.dtype, device=y.device) for y, d in zip(ys, out_dims)]
+            del ys
+        for s in range(0, 0 if skip else T, chunk):
             n = min(chunk, T - s)
             with region("tile"):
                 ys = functional_call(piece, bound, (xd.narrow(in_dim, s, n), s, s + n), strict=True)
@@ -104,14 +108,14 @@ class _Tiled(torch.autograd.Function):
                 for o, y, d in zip(outs, ys, out_dims):
                     o.narrow(d, s, n).copy_(y)
                 del ys
-        ctx.piece, ctx.names, ctx.chunk, ctx.in_dim, ctx.out_dims = piece, names, chunk, in_dim, out_dims
+        ctx.piece, ctx.names, ctx.chunk, ctx.in_dim, ctx.out_dims = again, names, chunk, in_dim, out_dims
         ctx.save_for_backward(x, *params)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads: Tensor):
         x, *params = ctx.saved_tensors
-        need_x, need_p = ctx.needs_input_grad[5], ctx.needs_input_grad[6:]
+        need_x, need_p = ctx.needs_input_grad[7], ctx.needs_input_grad[8:]
         d, T = ctx.in_dim, x.shape[ctx.in_dim]
         dx = torch.empty_like(x) if need_x else None
         acc: list[Tensor | None] = [None] * len(params)
@@ -141,17 +145,25 @@ class _Tiled(torch.autograd.Function):
             # NOTE: nothing of one chunk may live into the next, so every chunk's peak is the same (ir/scaled.py)
             del got, xc, pc
         pgrads = [None if a is None else a.to(p.dtype) for a, p in zip(acc, params)]
-        return (None, None, None, None, None, dx, *pgrads)
+        return (None, None, None, None, None, None, None, dx, *pgrads)
 
 
 def tiled(fn: Callable, modules: dict[str, nn.Module], x: Tensor, chunk: int, in_dim: int = 1,
-          out_dims: tuple[int, ...] = (1,)) -> tuple[Tensor, ...]:
+          out_dims: tuple[int, ...] = (1,), recompute_fn: Callable | None = None,
+          unevaluated: bool = False) -> tuple[Tensor, ...]:
     """`fn(mods, x_chunk, start, end)` over chunks of `chunk` tokens of `x` along `in_dim`, returning tuples of
     outputs whose token dimension is `out_dims[i]`; the outputs of the whole sequence, with autograd through
     the tiling (a chunk is recomputed in backward). `modules` are the modules `fn` uses (as `mods[key]`), with
-    the parameters they are bound to now."""
+    the parameters they are bound to now.
+
+    `recompute_fn`: the piece as backward recomputes a chunk, where no value of its outputs is read, only
+    their gradients (so it may leave a final matmul unevaluated, models/unevaluated.py); default `fn`; it must
+    record the same autograd graph. `unevaluated`: the caller reads no value of the outputs either (a block's
+    recompute, whose backward recomputes each chunk anyway): the forward computes nothing and returns
+    uninitialised outputs of the right shapes, which backward differentiates as if they had been computed."""
     if chunk <= 0:
         raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
     piece = _Piece(fn, modules)
+    again = piece if recompute_fn is None else _Piece(recompute_fn, modules)
     names, params = zip(*piece.named_parameters()) if any(True for _ in piece.parameters()) else ((), ())
-    return _Tiled.apply(piece, tuple(names), chunk, in_dim, tuple(out_dims), x, *params)
+    return _Tiled.apply(piece, again, unevaluated, tuple(names), chunk, in_dim, tuple(out_dims), x, *params)

@@ -20,6 +20,7 @@ h is (B, T, d) in the compute dtype. A unit's parameter named `p` is `"{unit}.{p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -237,13 +238,19 @@ class Attention(nn.Module):
         y = self.attend(q, k, v, inputs)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.hd))
 
-    def project(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor, positions: Tensor | None,
+                values_unread: bool = False) -> tuple[Tensor, Tensor, Tensor]:
         """q (B, n_heads, T, hd), k and v (B, n_kv, T, hd) of the normed input x, RoPE applied: the token-wise
-        half of attention. cos and sin are the rows of x's tokens, or the whole tables with `positions`."""
+        half of attention. cos and sin are the rows of x's tokens, or the whole tables with `positions`.
+        `values_unread`: only gradients flow back through the results (a tile's recompute): RoPE and the views
+        need no values in backward, so the projections are left unevaluated, q's and k's only without qk-norm
+        (whose backward reads its input)."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        with unevaluated() if values_unread and not self.qk_norm else contextlib.nullcontext():
+            q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
+            k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
+        with unevaluated() if values_unread else contextlib.nullcontext():
+            v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -262,21 +269,32 @@ class Attention(nn.Module):
         """norm -> attention -> o_proj of the block input h with the token-wise parts tiled: the norm, q/k/v
         and RoPE, then the output projection, `chunk` tokens at a time; the attention between them is one fused
         call over the whole sequence, so no (T, T) tensor and no ffn-wide or fp32 (T, d) temporary exists."""
-        def qkv(m, x, s, e):
+        def qkv(m, x, s, e, unread=False):
             if inputs.positions is not None:
-                return self.project(m["norm"](x), inputs.cos, inputs.sin, inputs.positions[:, s:e])
-            return self.project(m["norm"](x), inputs.cos[s:e], inputs.sin[s:e], None)
+                return self.project(m["norm"](x), inputs.cos, inputs.sin, inputs.positions[:, s:e], unread)
+            return self.project(m["norm"](x), inputs.cos[s:e], inputs.sin[s:e], None, unread)
 
-        def out(m, y, s, e):
+        def out(m, y, s, e, unread=False):
             B, _, n, _ = y.shape
-            return (m["o_proj"](y.transpose(1, 2).reshape(B, n, self.n_heads * self.hd)),)
+            with unevaluated() if unread else contextlib.nullcontext():
+                return (m["o_proj"](y.transpose(1, 2).reshape(B, n, self.n_heads * self.hd)),)
 
         mods = {"norm": norm, **{n: getattr(self, n) for n in ("q_proj", "k_proj", "v_proj")}}
         if self.qk_norm:
             mods.update(q_norm=self.q_norm, k_norm=self.k_norm)
-        q, k, v = tiled(qkv, mods, h, chunk, in_dim=1, out_dims=(2, 2, 2))
+        # a tile's recompute in backward reads no value of its outputs: the projections go unevaluated
+        q, k, v = tiled(qkv, mods, h, chunk, in_dim=1, out_dims=(2, 2, 2), recompute_fn=_unread(qkv))
         y = self.attend(q, k, v, inputs)
-        return tiled(out, {"o_proj": self.o_proj}, y, chunk, in_dim=2, out_dims=(1,))[0]
+        return tiled(out, {"o_proj": self.o_proj}, y, chunk, in_dim=2, out_dims=(1,), recompute_fn=_unread(out))[0]
+
+
+def _unread(piece):
+    """A tiled piece as its backward recomputes it: with `unread=True` (no value of its outputs is read)."""
+    return lambda m, x, s, e: piece(m, x, s, e, unread=True)
+
+
+def _mlp_piece(m, x, s, e, unread=False):
+    return (m["mlp"](m["norm"](x), value_unused=unread),)
 
 
 class MLP(nn.Module):
@@ -359,7 +377,8 @@ class BlockUnit(nn.Module):
         shorter than the sequence (an MoE feed-forward routes over the whole micro-batch: never tiled).
         `recompute`: the feed-forward's output is only added to the residual stream and the block's output
         is not read (a backward's recompute of a residual block), so a dense MLP leaves its last matmul
-        unevaluated."""
+        unevaluated, and a tiled one computes nothing (its tiles are recomputed in backward). Tiles recompute
+        in backward without their final projections, recompute or not (models/unevaluated.py)."""
         def attn(h: Tensor) -> Tensor:
             chunk = inputs.tiles(h.shape[1])
             if chunk is not None:
@@ -369,8 +388,10 @@ class BlockUnit(nn.Module):
         def ffn(h: Tensor) -> Tensor:
             chunk = inputs.tiles(h.shape[1])
             if chunk is not None and isinstance(self.mlp, MLP):
+                # a block's recompute reads no value of it, and its tiles are recomputed in backward anyway:
+                # nothing computed here then
                 mods = {"norm": self.post_attention_layernorm, "mlp": self.mlp}
-                return tiled(lambda m, x, s, e: (m["mlp"](m["norm"](x)),), mods, h, chunk)[0]
+                return tiled(_mlp_piece, mods, h, chunk, recompute_fn=_unread(_mlp_piece), unevaluated=recompute)[0]
             if recompute and isinstance(self.mlp, MLP):
                 return self.mlp(self.post_attention_layernorm(h), value_unused=True)
             return self.mlp(self.post_attention_layernorm(h))

@@ -9,6 +9,8 @@ with the same saved tensors, so the backward runs the same kernels on the same v
 the same bits), while the product itself is an uninitialised tensor of its shape. That saves
 d_model x ffn_dim x 2 FLOPs per token of every recomputed dense block, about a fifth of a Llama block's
 forward, which per-layer activation checkpointing (Hugging Face's, torch.utils.checkpoint) spends again.
+Tiled blocks (tiled.py) recompute each tile in backward with its projections unevaluated, and a tiled
+residual block's recompute runs no MLP tile at all (transformer.py).
 
 The mode intercepts only matrix products (`mm`, `addmm`, `bmm`) below autograd; views and every other op
 run as usual. The output buffer is allocated through the dispatcher like the product's would be, so a mode
