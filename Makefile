@@ -49,9 +49,19 @@ gpu-check:
 	PYTHON=$(PYTHON) bash benchmarks/gpu/run.sh
 
 # The pure-Python dependencies as wheels, for a GPU image that lacks them (run where there is a network).
-wheelhouse: $(BIN)/python
-	$(PIP) download -q -c constraints.txt --only-binary=:all: --no-deps -d benchmarks/gpu/wheelhouse \
-		networkx jinja2 markupsafe rich pygments markdown-it-py mdurl pytest pluggy iniconfig packaging
+# What benchmarks/gpu/install_offline.py may need on a GPU image that has torch and no network: the
+# runtime's and the CUDA tests' dependencies with theirs, for CPython 3.11-3.13 (what the script needs) on x86-64 Linux, and DeepSpeed
+# (a pure wheel built here without its ops; its CPU Adam would then JIT-compile, which peers.py does not wait for)
+# with its dependencies. About 20 MiB; run's `carry` takes the folder to the device.
+WHEELHOUSE_DEPS = networkx jinja2 rich pytest pydantic safetensors hjson py-cpuinfo tqdm packaging einops msgpack \
+	psutil nvidia-ml-py ninja
+wheelhouse: $(VENV)/.installed
+	for v in 3.11 3.12 3.13; do \
+		$(PIP) download -q --only-binary=:all: --python-version $$v --implementation cp \
+			--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+			-d benchmarks/gpu/wheelhouse $(WHEELHOUSE_DEPS) || exit 1; \
+	done
+	DS_BUILD_OPS=0 $(PIP) wheel -q --no-deps --no-build-isolation -w benchmarks/gpu/wheelhouse deepspeed
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest benchmarks -m "not cuda" --benchmark-only -o addopts="" -o python_files='bench_*.py' -s

@@ -8,6 +8,7 @@ from .transformer import (
     StepInputs,
     build_eager,
     decays,
+    init_into,
     init_weights,
     packing,
     recompute_mode,
@@ -19,6 +20,6 @@ from .transformer import (
 
 __all__ = [
     "PRESETS", "ConfigError", "EagerModel", "ModelConfig", "StepInputs", "build_eager", "decays", "flat_layout",
-    "init_weights", "load_model_config", "pack", "packing", "preset", "recompute_mode", "rope_tables", "run_unit",
-    "template_layout", "templates", "tied_params", "unit_names", "views",
+    "init_into", "init_weights", "load_model_config", "pack", "packing", "preset", "recompute_mode", "rope_tables",
+    "run_unit", "template_layout", "templates", "tied_params", "unit_names", "views",
 ]

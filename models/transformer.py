@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -521,25 +523,52 @@ def init_weights(config: ModelConfig, seed: int = 0, names: list[str] | None = N
     output projections scaled by 1/sqrt(2 * n_layers) (GPT-2), ones for norms, zeros for biases.
     """
     shapes = param_shapes(config)
-    out: dict[str, Tensor] = {}
-    for name in names if names is not None else shapes:
-        shape = shapes[name]
-        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-        custom = depth.init_param(config, name, shape, g)
-        if custom is None:
-            custom = ffn_init_param(config, name, shape, g)
-        if custom is not None:
-            out[name] = custom
-        elif name.endswith("norm.weight"):
-            out[name] = torch.ones(shape)
-        elif name.endswith(".bias"):
-            out[name] = torch.zeros(shape)
-        else:
-            std = config.init_std
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                std /= (2 * config.n_layers) ** 0.5
-            out[name] = torch.randn(shape, generator=g) * std
-    return out
+    return {name: _draw(config, seed, name, shapes[name]) for name in (names if names is not None else shapes)}
+
+
+def init_into(config: ModelConfig, seed: int, dests: dict[str, Tensor], threads: int | None = None) -> None:
+    """init_weights(config, seed)'s values written into `dests` (eager name -> a contiguous fp32 tensor of the
+    parameter's numel, e.g. a view of the host store's masters), drawn in place on `threads` threads (default:
+    the CPUs this process may run on). Each tensor has its own generator, so the bits do not depend on the
+    threads; a 7B model draws in seconds on a server's cores instead of minutes on one."""
+    shapes = param_shapes(config)
+    for name, dst in dests.items():
+        if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.numel() != math.prod(shapes[name]):
+            raise ValueError(f"{name}: needs a contiguous fp32 tensor of {math.prod(shapes[name])} elements")
+    threads = threads or len(os.sched_getaffinity(0))
+    work = sorted(dests, key=lambda n: -dests[n].numel())  # the largest first, so the threads end together
+    if threads <= 1 or len(work) <= 1:
+        for name in work:
+            _draw(config, seed, name, shapes[name], dests[name])
+        return
+    with ThreadPoolExecutor(min(threads, len(work)), thread_name_prefix="init") as pool:
+        for f in [pool.submit(_draw, config, seed, n, shapes[n], dests[n]) for n in work]:
+            f.result()
+
+
+def _draw(config: ModelConfig, seed: int, name: str, shape: tuple[int, ...], out: Tensor | None = None) -> Tensor:
+    """One parameter's initial value (into `out`, reshaped, when given)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    dst = None if out is None else out.view(shape)
+    custom = depth.init_param(config, name, shape, g)
+    if custom is None:
+        custom = ffn_init_param(config, name, shape, g)
+    if custom is not None:
+        value = custom
+    elif name.endswith("norm.weight"):
+        value = torch.ones(shape) if dst is None else dst.fill_(1.0)
+    elif name.endswith(".bias"):
+        value = torch.zeros(shape) if dst is None else dst.zero_()
+    else:
+        std = config.init_std
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            std /= (2 * config.n_layers) ** 0.5
+        # in place: the same bits as randn(...) * std, one pass and no temporary of the tensor's size
+        return torch.randn(shape, generator=g, out=dst).mul_(std)
+    if dst is not None and value is not dst:
+        dst.copy_(value)
+        return dst
+    return value
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -561,7 +590,6 @@ def build_eager(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = t
     model = model.to_empty(device="cpu")
     if config.tie_embeddings:  # to_empty breaks the tie: restore it
         model.head.lm_head.weight = model.embed.embed_tokens.weight
-    with torch.no_grad():
-        for name, t in init_weights(config, seed).items():
-            model.get_parameter(name).copy_(t)
+    # drawn in place, in parallel, into the parameters' storage (a tied head's weight is the embedding's)
+    init_into(config, seed, {n: model.get_parameter(n).detach().view(-1) for n in param_shapes(config)})
     return reset_buffers(model.to(dtype))  # routing buffers: to_empty left them unset, to() would cast them

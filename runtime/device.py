@@ -610,7 +610,7 @@ class CudaDevice(Device):
             done.synchronize()  # the previous copy out of this staging buffer has finished
         stage.copy_(src)
         dst.copy_(stage, non_blocking=True)
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # the next copy's synchronize() sleeps, not spins a core
         event.record()  # on the current stream: the h2d stream's inside load_params, the caller's in evaluate
         with self._cuda_lock:
             self._stage_events[key] = event

@@ -54,7 +54,7 @@ class Staging:
     def _record(self):
         if not self.cuda:
             return None
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=True)  # the CPU's synchronize() on it sleeps, not spins a core
         event.record()  # on the current stream: the op's copy stream
         return event
 

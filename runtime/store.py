@@ -54,7 +54,7 @@ import torch
 from megatrain.ir.model_ir import ModelIR, ParamSlice, UnitIR
 from megatrain.ir.program import STAGING_BYTES, Program
 from megatrain.ir.trace import DTYPES as TRACE_DTYPES
-from megatrain.models import ModelConfig, decays, init_weights, templates
+from megatrain.models import ModelConfig, decays, init_into, templates
 from megatrain.models.binding import buffer_views
 from megatrain.models.moe import update_buffers
 from megatrain.planner.host_policy import HostPolicy, grad_buffer_elems, resolve, staged, staging_elems
@@ -236,11 +236,9 @@ class HostStore:
 
     # -- initial weights ---------------------------------------------------------------------------------------
     def _init(self, seed: int) -> None:
-        for st in self.units.values():
-            names = [f"{st.unit.name}.{p.name}" for p in st.owned]
-            weights = init_weights(self.config, seed, names)
-            for v, name in zip(st.master_views(), names):
-                v.copy_(weights[name].reshape(-1))
+        """init_weights' values drawn straight into the masters, every tensor in parallel (models.init_into)."""
+        init_into(self.config, seed, {f"{st.unit.name}.{p.name}": v for st in self.units.values()
+                                      for p, v in zip(st.owned, st.master_views())})
 
     def load_state(self, weights: dict[str, torch.Tensor]) -> None:
         """Set master weights from eager-named fp32 tensors (tests, checkpoint import)."""

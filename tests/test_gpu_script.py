@@ -136,3 +136,40 @@ def test_the_device_script_runs_every_file_that_holds_cuda_tests():
     marked = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
               if "mark.cuda" in p.read_text() and p.name != Path(__file__).name}
     assert marked and listed == marked
+
+
+@pytest.mark.parametrize("installed, want", [({"cpu_adam": True}, True), ({"cpu_adam": False}, False), (None, False)])
+def test_deepspeeds_cpu_adam_is_used_only_when_prebuilt(monkeypatch, installed, want):
+    """Built on first use, DeepSpeedCPUAdam compiles its extension for about a minute, past the case's time
+    limit: the peer takes it only when the install has it compiled (ds_report's `installed_ops`)."""
+    import types
+
+    import peers
+
+    if installed is None:
+        monkeypatch.setitem(sys.modules, "deepspeed.git_version_info", None)  # import fails: not installed
+    else:
+        monkeypatch.setitem(sys.modules, "deepspeed.git_version_info",
+                            types.SimpleNamespace(installed_ops=installed))
+    assert peers._cpu_adam_prebuilt() is want
+
+
+@pytest.mark.parametrize("peers", [False, True])
+def test_offline_install_takes_what_the_interpreter_lacks_from_the_wheelhouse(tmp_path, monkeypatch, peers):
+    """Each distribution of the wheelhouse the interpreter lacks is installed on its own (--no-deps: pip
+    --target would install torch again, which the wheelhouse does not carry), DeepSpeed only for the peers."""
+    import install_offline
+
+    wh = tmp_path / "wheelhouse"
+    wh.mkdir()
+    for f in ("pydantic_core-2.50.5-cp311-cp311-manylinux2014_x86_64.whl", "pydantic-2.14.4-py3-none-any.whl",
+              "deepspeed-0.19.8-py3-none-any.whl", "torch-2.13.0-cp311-none-any.whl", "rich-15.0.0-py3-none-any.whl"):
+        (wh / f).write_bytes(b"")
+    monkeypatch.setattr(install_offline, "WHEELHOUSE", wh)
+    monkeypatch.setattr(install_offline, "_version", lambda d: "1" if d == "rich" else None)  # rich: present
+    calls = []
+    monkeypatch.setattr(install_offline.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    install_offline._pip_install(tmp_path / "site", peers)
+    (cmd,) = calls
+    assert "--no-deps" in cmd and "--no-index" in cmd
+    assert cmd[cmd.index(str(tmp_path / "site")) + 1:] == ["deepspeed"] * peers + ["pydantic", "pydantic-core"]

@@ -13,6 +13,7 @@ one line per missing package otherwise.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import os
 import subprocess
@@ -26,6 +27,7 @@ WHEELHOUSE = ROOT / "benchmarks" / "gpu" / "wheelhouse"
 RUNTIME = {"torch": "torch", "numpy": "numpy", "pydantic": "pydantic", "networkx": "networkx", "jinja2": "jinja2",
            "rich": "rich", "safetensors": "safetensors"}
 TESTS = {"pytest": "pytest"}
+PEERS = {"deepspeed": "deepspeed"}  # the benchmark's peer; FSDP2 is in torch
 
 
 def lay_out(site: Path, root: Path = ROOT) -> list[str]:
@@ -47,6 +49,30 @@ def lay_out(site: Path, root: Path = ROOT) -> list[str]:
     return tool["packages"]
 
 
+def _pip_install(site: Path, peers: bool) -> None:
+    """Every distribution of the wheelhouse this interpreter lacks (DeepSpeed only with `peers`), into `site`,
+    each on its own (--no-deps: pip --target would otherwise install again what the interpreter has, torch and
+    numpy above all, which the wheelhouse does not carry); pip picks each one's file for this Python."""
+    dists = sorted({_dist(w) for w in WHEELHOUSE.glob("*.whl")} - {"torch"})
+    dists = [d for d in dists if _version(d) is None and (peers or d != "deepspeed")]
+    if dists:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links",
+                        str(WHEELHOUSE), "--target", str(site), *dists], check=False)
+    sys.path.insert(0, str(site))
+    importlib.invalidate_caches()
+
+
+def _dist(wheel: Path) -> str:
+    return wheel.name.split("-")[0].lower().replace("_", "-")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def missing(names: dict[str, str]) -> list[str]:
     return [dist for dist, mod in names.items() if importlib.util.find_spec(mod) is None]
 
@@ -55,14 +81,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", required=True, type=Path)
     ap.add_argument("--tests", action="store_true", help="also the test dependencies (pytest)")
+    ap.add_argument("--peers", action="store_true", help="also DeepSpeed, the benchmark's peer, where the wheelhouse "
+                    "has it (optional: nothing fails without it)")
     args = ap.parse_args(argv)
     need = {**RUNTIME, **(TESTS if args.tests else {})}
     lack = missing(need)
-    if lack and WHEELHOUSE.is_dir() and any(WHEELHOUSE.glob("*.whl")):
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links",
-                        str(WHEELHOUSE), "--target", str(args.site), *lack], check=False)
-        sys.path.insert(0, str(args.site))
-        importlib.invalidate_caches()
+    wheels = WHEELHOUSE.is_dir() and any(WHEELHOUSE.glob("*.whl"))
+    if wheels and (lack or (args.peers and missing(PEERS))):  # DeepSpeed optional: its row says when it lacks
+        _pip_install(args.site, args.peers)
         lack = missing(need)
     if lack:
         for dist in lack:

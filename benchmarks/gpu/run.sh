@@ -38,7 +38,7 @@ summary() {  # status, note
 }
 
 echo "gpu/run.sh: installing from $ROOT (offline)"
-if ! "$PY" "$ROOT/benchmarks/gpu/install_offline.py" --site "$SITE" --tests; then
+if ! "$PY" "$ROOT/benchmarks/gpu/install_offline.py" --site "$SITE" --tests --peers; then
   summary install-failed "see the messages above"; exit 3
 fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"

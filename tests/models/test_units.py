@@ -192,3 +192,23 @@ def test_grouped_query_attention_saves_k_and_v_at_their_own_heads():
     gqa = trace(ModelConfig(**{**base, "n_kv_heads": 1}), 2, 64, "bf16", target="cuda").units[1]
     hd, kv_bytes = base["d_model"] // base["n_heads"], 2 * 2 * 64 * 2  # k and v, batch 2, seq 64, bf16
     assert mha.saved_bytes - gqa.saved_bytes >= (base["n_heads"] - 1) * hd * kv_bytes
+
+
+@pytest.mark.parametrize("variant", [{}, {"depth_mixing": "depthssd:4"}, {"base": "moe-tiny"}, {"qkv_bias": True}])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_init_into_draws_init_weights_bits_in_place(variant, threads):
+    """The host store draws its masters in place, tensors in parallel: the same bits as init_weights."""
+    from megatrain.models import init_into, init_weights
+
+    variant = dict(variant)
+    config = ModelConfig(**{**preset(variant.pop("base", "tiny")).model_dump(), **variant})
+    ref = init_weights(config, 5)
+    flat = torch.full((sum(t.numel() for t in ref.values()),), float("nan"))
+    dests, at = {}, 0
+    for name, t in ref.items():
+        dests[name], at = flat[at : at + t.numel()], at + t.numel()
+    init_into(config, 5, dests, threads=threads)
+    for name, t in ref.items():
+        assert torch.equal(dests[name].view(t.shape), t), name
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        init_into(config, 5, {"embed.embed_tokens.weight": torch.empty(3, dtype=torch.bfloat16)})

@@ -171,3 +171,36 @@ def test_records_compare_measured_memory_with_the_plan_like_with_like(tmp_path, 
                                                                    * (1 + hw.allocator_margin))
         assert planned["planned_peak_gpu_bytes"] == t.plan.peak_gpu_bytes
         t.device.kind = "sim"
+
+
+def test_events_the_cpu_waits_on_are_blocking(monkeypatch):
+    """The staging copies' events are waited on by CPU threads (a reused staging buffer, the next chunk):
+    created blocking, so a wait sleeps instead of spinning one of the cores the host optimizer needs."""
+    import threading
+    from types import SimpleNamespace
+
+    from megatrain.runtime.device import CudaDevice, SimDevice
+    from megatrain.runtime.staging import Staging
+
+    made = []
+
+    class Event:
+        def __init__(self, **kw):
+            made.append(kw)
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    staging = Staging(SimDevice())
+    staging.cuda = True
+    staging._record()
+    fake = SimpleNamespace(_cuda_lock=threading.Lock(), _stage_events={})
+    src, stage, dst = torch.ones(4), torch.empty(4), torch.empty(4)
+    CudaDevice.stage_copy(fake, dst, src, stage)
+    CudaDevice.stage_copy(fake, dst, src, stage)  # waits on the first copy's event
+    assert len(made) == 3 and all(kw.get("blocking") for kw in made), made
+    assert torch.equal(dst, src)
