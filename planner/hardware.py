@@ -220,14 +220,17 @@ GPU_NAMES = (("GH200", "gh200"), ("H200", "h200"), ("H100 PCIe", "h100-pcie"), (
              ("A100", "a100-80g"), ("RTX 4090", "rtx4090"))
 
 
-def hardware_for_device(device: str) -> Hardware:
-    """The profile a device plans with when none is given: the sim device the `cpu` preset, a GPU the preset
-    its name matches (torch.cuda.get_device_name), else a one-line request for a measured profile."""
-    if device == "sim":
-        return hardware_preset("cpu")
+def hardware_for_device(device: str, index: int = 0) -> Hardware:
+    """The profile a device plans with when none is given: the sim device the `cpu` preset, a GPU (`index`)
+    the preset its name matches (torch.cuda.get_device_name), else a one-line request for a measured profile;
+    "auto" is the device make_device picks (cuda when available, else sim)."""
     import torch
 
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "sim"
+    if device == "sim":
+        return hardware_preset("cpu")
+    name = torch.cuda.get_device_name(index) if torch.cuda.is_available() else ""
     match = next((preset for key, preset in GPU_NAMES if key in name), None)
     if match is None:
         raise ValueError(f"no hardware preset matches GPU {name!r}; run `megatrain probe --out gpu.json` "

@@ -25,6 +25,7 @@ Run its tests: `.venv/bin/pytest tests/runtime/test_device.py` (the CUDA ones: `
 
 from __future__ import annotations
 
+import os
 import queue
 import random
 import threading
@@ -519,6 +520,9 @@ class CudaDevice(Device):
         if not 0 <= index < torch.cuda.device_count():
             raise ValueError(f"CUDA device index {index} out of range; this machine has "
                              f"{torch.cuda.device_count()} GPU(s)")
+        settings = allocator_settings(os.environ)
+        if settings and hasattr(torch.cuda.memory, "_set_allocator_settings"):
+            torch.cuda.memory._set_allocator_settings(settings)
         super().__init__(budget_bytes, torch.device("cuda", index), resolve_cpus("cuda", index))
         self._streams = {s: torch.cuda.Stream(device=self.torch_device) for s in GPU_STREAMS}
         self._cuda_lock = threading.Lock()
@@ -652,6 +656,14 @@ def allocator_fraction(nbytes: int, total_bytes: int) -> float:
         raise ValueError(f"the GPU budget leaves the allocator {nbytes:,} bytes but the GPU has {total_bytes:,}; "
                          "lower the GPU budget (--gpu-budget) to what the GPU holds")
     return nbytes / total_bytes
+
+
+def allocator_settings(environ) -> str | None:
+    """torch's CUDA caching allocator settings for a run: expandable segments, unless the user configured the
+    allocator (PYTORCH_CUDA_ALLOC_CONF). The four streams each cache their own blocks under a cap at the budget
+    (limit_allocator); with fixed-size segments fragmentation past the allocator margin makes it free its cache
+    and retry, a device-wide synchronize in the step, or fail; growable segments map pages instead."""
+    return None if environ.get("PYTORCH_CUDA_ALLOC_CONF") else "expandable_segments:True"
 
 
 def make_device(kind: str, budget_bytes: int | None = None, **kw) -> Device:

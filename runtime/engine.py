@@ -517,28 +517,31 @@ def evaluate(engine: Engine, batches: list[tuple[torch.Tensor, torch.Tensor]]) -
     try:
         # NOTE: on the compute stream, as the step's own work: its memory comes from that stream's pool, and
         # on CUDA no kernel of it runs on the default stream
-        dev.submit("compute", lambda: result.append(_evaluate(engine, batches)), "evaluate(validation)")
+        mine = batches if engine.comm is None else batches[engine.comm.rank :: engine.comm.size]
+        n_tokens = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in mine)  # on the host: no device sync
+        dev.submit("compute", lambda: result.append(_evaluate(engine, mine)), "evaluate(validation)")
         dev.synchronize()
-        return result[0]
+        total = result[0]
+        if engine.comm is not None:
+            total, n_tokens = engine.comm.sum([total, float(n_tokens)], what="the evaluation loss")
+        return total / max(n_tokens, 1)
     finally:
         for template in engine.templates.values():
             template.train()
 
 
 def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
+    """The summed token loss of this rank's `batches`, on the compute stream; one read of the device."""
     dev = engine.device
     slot = engine.bufs["slot0"]
     staged = []
     comm = engine.comm
-    if comm is not None:
-        batches = batches[comm.rank :: comm.size]
     for mb in batches:  # (tokens, targets) or (tokens, targets, positions)
         packed = packing(mb[2], dev.torch_device) if len(mb) == 3 else {}
         staged.append((mb[0].to(dev.torch_device, non_blocking=True), mb[1].to(dev.torch_device, non_blocking=True),
                        packed))
     cos, sin = engine.bufs["rope"]
     carries: list[tuple] = [()] * len(staged)
-    n_tokens = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in batches)  # on the host: no device sync
     total = torch.zeros((), dtype=torch.float32, device=dev.torch_device)
     with torch.no_grad():
         for u in engine.ir.units:
@@ -563,7 +566,4 @@ def _evaluate(engine: Engine, batches: list[tuple[torch.Tensor, ...]]) -> float:
                 else:
                     dev.pool.alloc(f"eval.{b}", _nbytes(out))
                     carries[b] = out
-    total = float(total)  # the one read of the device's sum
-    if comm is not None:
-        total, n_tokens = comm.sum([total, float(n_tokens)], what="the evaluation loss")
-    return total / max(n_tokens, 1)
+    return float(total)  # the one read of the device's sum

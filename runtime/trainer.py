@@ -183,7 +183,8 @@ class Trainer:
         self.train = train
         self.on_nan = on_nan
         # "auto": the profile of the device that runs it (the cpu preset for sim, the GPU's preset on cuda)
-        self.hardware = (hardware_for_device(device) if hardware == "auto" else
+        index = comm.local_rank if comm is not None and device == "cuda" else 0  # the GPU make_device takes
+        self.hardware = (hardware_for_device(device, index) if hardware == "auto" else
                          hardware_preset(hardware) if isinstance(hardware, str) else hardware)
         if profile not in ("off", "auto"):
             raise ValueError(f"profile must be 'auto' (plan with a cached probe of this machine when one exists) "

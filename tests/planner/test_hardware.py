@@ -69,3 +69,19 @@ def test_the_profile_of_a_device_without_one_given(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
     with pytest.raises(ValueError, match="no hardware preset matches GPU 'Tesla T4'.*megatrain probe"):
         hardware_for_device("cuda")
+
+
+def test_auto_device_plans_for_the_device_it_gets_and_a_gpu_by_its_index(monkeypatch):
+    """"auto" is what make_device picks: on a machine without a GPU the sim device's `cpu` preset (it raised
+    "no hardware preset matches GPU ''"); on several GPUs the one the rank runs on is the one named."""
+    import torch
+
+    from megatrain.planner.hardware import hardware_for_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert hardware_for_device("auto").name == "cpu"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    names = {0: "NVIDIA H100 PCIe", 1: "NVIDIA H200"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: names[i or 0])
+    assert hardware_for_device("auto").name == "h100-pcie"
+    assert hardware_for_device("cuda", 1).name == "h200"

@@ -321,9 +321,45 @@ def test_validation_runs_on_the_compute_stream(monkeypatch):
 
     class _Engine:
         templates = {}
+        comm = None
 
     with SimDevice() as dev:
         e = _Engine()
         e.device = dev
         assert engine_mod.evaluate(e, []) == 1.5
     assert seen == ["megatrain-sim-compute"]
+
+
+@pytest.mark.parametrize("n_batches", [1, 5])
+def test_validation_reads_the_device_once_whatever_the_batches(monkeypatch, n_batches):
+    """The validation loss is summed on the device and read once (on CUDA a read is a sync of the compute
+    stream): no float() or item() per batch. Counted on the compute stream, where evaluate's work runs."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatrain.models import preset
+    from megatrain.planner import TrainSpec
+    from megatrain.runtime import engine as engine_mod
+    from megatrain.runtime.trainer import Trainer
+
+    reads = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    real = engine_mod._evaluate
+
+    def counted(engine, batches):
+        with Reads():
+            return real(engine, batches)
+
+    monkeypatch.setattr(engine_mod, "_evaluate", counted)
+    spec = TrainSpec(micro_batch=2, seq_len=32, grad_accum=1, dtype="fp32", total_steps=2)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g))
+               for _ in range(n_batches)]
+    with Trainer(preset("tiny"), spec, 64 * 2**20, device="sim") as tr:
+        loss = engine_mod.evaluate(tr.engine, batches)
+    assert len(reads) == 1 and 3 < loss < 8, (reads, loss)

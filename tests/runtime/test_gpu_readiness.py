@@ -204,3 +204,10 @@ def test_events_the_cpu_waits_on_are_blocking(monkeypatch):
     CudaDevice.stage_copy(fake, dst, src, stage)  # waits on the first copy's event
     assert len(made) == 3 and all(kw.get("blocking") for kw in made), made
     assert torch.equal(dst, src)
+
+
+def test_the_cuda_allocator_grows_segments_unless_the_user_configured_it():
+    from megatrain.runtime.device import allocator_settings
+
+    assert allocator_settings({}) == "expandable_segments:True"
+    assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}) is None
