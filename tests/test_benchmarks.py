@@ -51,3 +51,13 @@ def test_bench_vs_transformers_runs_four_ways(tmp_path, capsys):
     assert all(r["median_s"] > 0 for r in got["rows"].values())
     assert set(got["pairs"]) == {f"{s} / {h}" for s in ("streamed-8MiB", "streamed-64MiB") for h in ("hf", "hf+ckpt")}
     assert "streamed-8MiB / hf+ckpt" in capsys.readouterr().out
+
+
+def test_bench_recompute_checks_bits_and_times_both_ways(tmp_path, capsys):
+    out = tmp_path / "recompute.json"
+    assert _bench("bench_recompute").main(["--model", "tiny", "--seq", "64", "--chunk", "16", "--rounds", "1",
+                                           "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["case"] for r in rows] == ["untiled", "tiled 16"]
+    assert all(r["full_s"] > 0 and r["unevaluated_s"] > 0 for r in rows)
+    assert "| tiled 16 |" in capsys.readouterr().out
