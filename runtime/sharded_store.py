@@ -27,8 +27,9 @@ import torch
 
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Program
-from megatrain.models import decays, init_weights
+from megatrain.models import decays, init_into
 from megatrain.models.binding import buffer_views
+from megatrain.models.transformer import param_shapes
 from megatrain.planner.host_policy import HostPolicy
 from megatrain.planner.train import TrainSpec
 from megatrain.planner.world import rank_ir, replicated_units, slice_start
@@ -61,9 +62,11 @@ class ShardedHostStore(HostStore):
         return slice_start(self.full_ir.unit(unit), self.world_size, self.rank, piece)
 
     def _init(self, seed: int) -> None:
-        for st in self.units.values():
+        shapes = param_shapes(self.config)
+        for st in self.units.values():  # each unit's whole tensors drawn in parallel, then this rank's slices
             names = [f"{st.unit.name}.{p.name}" for p in st.owned]
-            weights = init_weights(self.config, seed, names)
+            weights = {n: torch.empty(shapes[n]) for n in names}
+            init_into(self.config, seed, {n: t.view(-1) for n, t in weights.items()})
             for p, v, name in zip(st.owned, st.master_views(), names):
                 a = self.start(st.unit.name, p)
                 v.copy_(weights[name].reshape(-1)[a : a + p.numel])

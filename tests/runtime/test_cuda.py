@@ -236,7 +236,8 @@ def test_streamed_equals_eager_under_random_gpu_side_delays(seed):
 
 def test_bf16_at_seq_512_uses_the_flash_kernel_and_tracks_the_sim_run():
     """Every attention call of a bf16 run at seq 512 goes through flash (SDPA restricted to it raises
-    otherwise), and the run follows the same plan on the sim device (CPU bf16 kernels) to bf16 round-off."""
+    otherwise), its first loss (the same bf16 weights, no update yet) equals eager bf16 on the GPU through the
+    same kernel to bf16 round-off, and the run follows the same plan on the sim device (CPU bf16 kernels)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     train = TrainSpec(micro_batch=1, seq_len=512, grad_accum=2, dtype="bf16", lr=2e-3, warmup_steps=1,
@@ -247,6 +248,10 @@ def test_bf16_at_seq_512_uses_the_flash_kernel_and_tracks_the_sim_run():
     _, want_losses, _ = streamed_train(sim, batches)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         _, losses, peak = streamed_train(gpu, batches, kind="cuda")
+        eager = EagerTrainer(TINY, train, dtype=torch.bfloat16)
+        eager.model.cuda()
+        first = eager.step([tuple(t.cuda() for t in mb) for mb in batches[0]])
+    assert losses[0] == pytest.approx(first, rel=2e-3)
     assert losses == pytest.approx(want_losses, rel=2e-2)
     assert peak == gpu.peak_buffer_bytes
 
