@@ -94,6 +94,11 @@ def _fresh_prediction(run: dict, machine, repeats: int) -> float:
     return estimate_time(p.program, CostModel(p.ir, hw, p.host_policy, p.train.clip_norm is not None)).step_time_s
 
 
+def _mark(ratio: float) -> str:
+    """A measured/predicted ratio, bold when within the 10% target."""
+    return f"**{ratio:.2f}**" if abs(ratio - 1) <= 0.10 else f"{ratio:.2f}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: " + ", ".join(CASES))
@@ -164,7 +169,9 @@ def main(argv=None) -> int:
                  if args.reprobe else "")
         print(f"| {x['case']} | {x['model']} | {x['grad_accum']} x {x['micro_batch']}x{x['seq_len']} | "
               f"{x['budget_mib']:.0f} MiB | {x['slots']} | {x['predicted_ms']:.1f} | {x['measured_ms']:.1f} | "
-              f"**{x['ratio']:.2f}** | {x['ratio_min']:.2f}-{x['ratio_max']:.2f} |{extra}")
+              f"{_mark(x['ratio'])} | {x['ratio_min']:.2f}-{x['ratio_max']:.2f} |{extra}")
+    within = sum(abs(x["ratio"] - 1) <= 0.10 for x in rows)
+    print(f"\nwithin 10% (bold): {within} of {len(rows)}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
