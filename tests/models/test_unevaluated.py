@@ -1,6 +1,7 @@
 """A block's recompute leaves its last matmul unevaluated (models/unevaluated.py): the gradients are the same
 bits as a full forward's, the FLOPs drop by exactly the down projection's, and the trace prices and counts
-what runs; blocks whose sub-layer outputs are read (depth mixing, MoE) or tiled recompute in full."""
+what runs; blocks whose sub-layer outputs are read (depth mixing, MoE) recompute in full. Unevaluated
+products hold NaN in tests (tests/conftest.py), so a gradient that read one would show it."""
 
 import pytest
 import torch
@@ -16,16 +17,6 @@ from megatrain.planner.costs import CostModel
 
 TINY = preset("tiny")
 B, T = 2, 24
-
-
-@pytest.fixture(autouse=True)
-def nan_garbage(monkeypatch):
-    """Unevaluated products hold NaN here, not whatever memory the allocator hands back (which may be the
-    very values a previous identical product left): a gradient that read one would come out NaN."""
-    from megatrain.models import unevaluated as module
-
-    monkeypatch.setattr(module, "_like", lambda a, shape: torch.full(shape, float("nan"), dtype=a.dtype,
-                                                                       device=a.device))
 
 
 def _block(config: ModelConfig, layer: int, dtype: torch.dtype, chunk: int | None = None):
