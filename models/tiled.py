@@ -34,6 +34,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .unevaluated import uninitialised
+
 _REGION = threading.local()
 
 
@@ -95,7 +97,7 @@ class _Tiled(torch.autograd.Function):
         outs: list[Tensor] | None = None
         if skip:  # nothing computed: the outputs' shapes from an empty chunk, their values left uninitialised
             ys = functional_call(piece, bound, (xd.narrow(in_dim, 0, 0), 0, 0), strict=True)
-            outs = [torch.empty(_with(y.shape, d, T), dtype=y.dtype, device=y.device) for y, d in zip(ys, out_dims)]
+            outs = [uninitialised(y, _with(y.shape, d, T)) for y, d in zip(ys, out_dims)]
             del ys
         for s in range(0, 0 if skip else T, chunk):
             n = min(chunk, T - s)

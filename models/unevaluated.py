@@ -40,6 +40,11 @@ class _Unevaluated(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+def uninitialised(like: torch.Tensor, shape) -> torch.Tensor:
+    """A tensor standing for a result nobody reads: `like`'s dtype and device, `shape`, no values."""
+    return _like(like, tuple(shape))
+
+
 def _like(a: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     # through the dispatcher (this mode is off inside its own handler), so modes below see the allocation
     return torch.empty(shape, dtype=a.dtype, device=a.device)
