@@ -86,11 +86,13 @@ def measure(params: int = 24 * 2**20, rounds: int = 5) -> dict:
     units["legacy"] = Legacy(params)
     times: dict[tuple[str, bool], list[float]] = {(k, c): [] for k in units for c in (False, True)}
     bounds, samples = [], []
-    for _ in range(rounds):
+    for r in range(rounds):
         bounds.append(probe_module.stream_bandwidth(torch, 256 * 2**20, 3))
         samples.append(probe_module.policy_rates(16 * 2**20, 1))  # what `megatrain probe` puts in the profile
         for name, unit in units.items():
-            for clipped in (False, True):
+            # alternate which of a unit's two steps runs first, right after another unit's: with several
+            # threads the first step after a torch-ops unit measured 30-40% slower (docs/RESULTS.md)
+            for clipped in ((False, True) if r % 2 == 0 else (True, False)):
                 t = time.perf_counter()
                 unit.step(clip if clipped else None)
                 times[name, clipped].append(time.perf_counter() - t)
