@@ -20,7 +20,6 @@ h is (B, T, d) in the compute dtype. A unit's parameter named `p` is `"{unit}.{p
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import zlib
@@ -248,10 +247,10 @@ class Attention(nn.Module):
         need no values in backward, so the projections are left unevaluated, q's and k's only without qk-norm
         (whose backward reads its input)."""
         B, T, _ = x.shape
-        with unevaluated() if values_unread and not self.qk_norm else contextlib.nullcontext():
+        with unevaluated(values_unread and not self.qk_norm):
             q = self.q_proj(x).view(B, T, self.n_heads, self.hd)
             k = self.k_proj(x).view(B, T, self.n_kv, self.hd)
-        with unevaluated() if values_unread else contextlib.nullcontext():
+        with unevaluated(values_unread):
             v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -278,7 +277,7 @@ class Attention(nn.Module):
 
         def out(m, y, s, e, unread=False):
             B, _, n, _ = y.shape
-            with unevaluated() if unread else contextlib.nullcontext():
+            with unevaluated(unread):
                 return (m["o_proj"](y.transpose(1, 2).reshape(B, n, self.n_heads * self.hd)),)
 
         mods = {"norm": norm, **{n: getattr(self, n) for n in ("q_proj", "k_proj", "v_proj")}}
@@ -310,10 +309,8 @@ class MLP(nn.Module):
         """`value_unused`: the caller reads no value of the result, only back-propagates through it (a
         recompute): the down projection is recorded for autograd but not computed (unevaluated.py)."""
         h = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        if value_unused:
-            with unevaluated():
-                return self.down_proj(h)
-        return self.down_proj(h)
+        with unevaluated(value_unused):
+            return self.down_proj(h)
 
 
 class EmbedUnit(nn.Module):
@@ -556,19 +553,16 @@ def _draw(config: ModelConfig, seed: int, name: str, shape: tuple[int, ...], out
     if custom is not None:
         value = custom
     elif name.endswith("norm.weight"):
-        value = torch.ones(shape) if dst is None else dst.fill_(1.0)
+        value = torch.ones(shape)
     elif name.endswith(".bias"):
-        value = torch.zeros(shape) if dst is None else dst.zero_()
+        value = torch.zeros(shape)
     else:
         std = config.init_std
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             std /= (2 * config.n_layers) ** 0.5
         # in place: the same bits as randn(...) * std, one pass and no temporary of the tensor's size
         return torch.randn(shape, generator=g, out=dst).mul_(std)
-    if dst is not None and value is not dst:
-        dst.copy_(value)
-        return dst
-    return value
+    return value if dst is None else dst.copy_(value)
 
 
 def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

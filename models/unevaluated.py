@@ -50,9 +50,8 @@ def _like(a: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.empty(shape, dtype=a.dtype, device=a.device)
 
 
-@contextlib.contextmanager
-def unevaluated():
-    """Inside, matrix products return uninitialised tensors of their result's shape; autograd records them
-    as usual. Only for results whose values no op reads and whose backward needs none."""
-    with _Unevaluated():
-        yield
+def unevaluated(on: bool = True):
+    """A context inside which matrix products return uninitialised tensors of their result's shape, autograd
+    recording them as usual (`on=False`: a context that changes nothing). Only for results whose values no op
+    reads and whose backward needs none."""
+    return _Unevaluated() if on else contextlib.nullcontext()
