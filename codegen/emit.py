@@ -73,6 +73,8 @@ def statement(i: int, ins: Instr, cross_step: bool) -> str:
             args.append("accumulate=True")
         if ins.rebuild:
             args.append("rebuild=True")
+        if ins.replay:
+            args.append("replay=True")
         if ins.norm:
             args.append("norm=True")
         if ins.shard:

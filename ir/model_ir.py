@@ -59,6 +59,7 @@ class ChunkFigures(IRModel):
     saved_bytes: int
     peak_fwd_bytes: int
     peak_bwd_bytes: int
+    peak_bwd_replay_bytes: int | None = Field(None, description="as UnitIR's")
     graph_nodes: int
 
 
@@ -98,6 +99,12 @@ class UnitIR(IRModel):
         None, description="bytes the forward records so the backward can rebuild the carry-in from the carry-out "
         "(DepthSSD: its sub-layer inputs); None when the unit cannot rebuild"
     )
+    replay: tuple[TensorSpec, ...] = Field(
+        (), description="the fused attention outputs (output, log-sum-exp) a forward records so that the "
+        "backward's recompute replays them instead of running attention (models/replay.py); empty: it cannot")
+    peak_bwd_replay_bytes: int | None = Field(
+        None, description="peak_bwd_bytes of a backward whose recompute replays attention (the record is a "
+        "program buffer, not counted here); None when the unit cannot replay")
     chunk_options: tuple[ChunkFigures, ...] = Field(
         (), description="the unit's figures untiled and at each candidate chunk size (empty: not priced)")
 
@@ -105,6 +112,16 @@ class UnitIR(IRModel):
     def recompute_flops(self) -> int:
         """FLOPs of the forward that a backward recomputes (flops_recompute, else the whole forward's)."""
         return self.flops_fwd if self.flops_recompute is None else self.flops_recompute
+
+    @property
+    def replay_bytes(self) -> int:
+        """Bytes of the attention record a replaying unit keeps with its checkpoint (0: it cannot replay)."""
+        return sum(t.nbytes for t in self.replay)
+
+    @property
+    def replay_recompute_flops(self) -> int:
+        """FLOPs of a recompute that replays attention: recompute_flops less the fused attention's forward."""
+        return self.recompute_flops - self.attn_flops_fwd
 
     @property
     def n_params(self) -> int:
@@ -205,6 +222,13 @@ class ModelIR(IRModel):
             f = next(o for o in u.chunk_options if o.chunk_tokens == chunk)
             units.append(u.replace(**{k: getattr(f, k) for k in type(f).model_fields if k != "chunk_tokens"}))
         return self.replace(units=tuple(units), chunk_tokens=chunk)
+
+    def without_replay(self) -> ModelIR:
+        """This IR with no unit able to replay its attention (a runtime that cannot: compiled units, whose
+        torch.compile'd calls a dispatch mode does not see)."""
+        strip = dict(replay=(), peak_bwd_replay_bytes=None)
+        return self.replace(units=tuple(u.replace(**strip, chunk_options=tuple(
+            o.replace(peak_bwd_replay_bytes=None) for o in u.chunk_options)) for u in self.units))
 
     def unit(self, name: str) -> UnitIR:
         for u in self.units:

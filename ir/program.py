@@ -41,7 +41,8 @@ OpName = Literal[
     "wait",
     "free",
 ]
-BufferKind = Literal["param_slot", "grad_slot", "resident", "batch", "loss", "carry", "saved", "grad_carry"]
+BufferKind = Literal["param_slot", "grad_slot", "resident", "batch", "loss", "carry", "saved", "grad_carry",
+                     "attention"]
 
 # The stream each op may run on; record/wait/free name their stream explicitly.
 OP_STREAMS: dict[str, tuple[str, ...]] = {
@@ -74,6 +75,13 @@ class Buffer(IRModel):
     mb: int | None = None
 
 
+def checkpoint_tensors(ir, buffer: Buffer) -> tuple:
+    """The tensors (TensorSpecs) an offloadable checkpoint buffer holds: a carry's are its unit's carry-in, an
+    attention record's (kind "attention") the unit's `replay` (models/replay.py). `ir`: the ModelIR."""
+    u = ir.unit(buffer.unit)
+    return u.replay if buffer.kind == "attention" else u.carry_in
+
+
 class Instr(IRModel):
     """One instruction. `reads`/`writes` name the buffers it touches; the verifier checks them."""
 
@@ -92,6 +100,10 @@ class Instr(IRModel):
     rebuild: bool = Field(
         False, description="forward: record what rebuilding the carry-in needs (the `side` buffer); backward: "
         "rebuild the carry-in from the next unit's carry-in first"
+    )
+    replay: bool = Field(
+        False, description="forward: also record the fused attention's outputs (the `attn` buffer); backward: "
+        "its recompute replays them instead of running attention (models/replay.py)"
     )
     norm: bool = Field(
         False, description="backward: the unit's gradients are final after it (its last micro-batch); also write "

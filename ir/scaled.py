@@ -190,6 +190,7 @@ class Measured:
     region_ops: Counter
     region_iters: Counter
     rebuild: Counter | None = None
+    bwd_replay_sums: set | None = None  # a backward whose recompute replays attention (models/replay.py)
     extra: dict = field(default_factory=dict)
 
     def _bytes(self, classed, seq: int, chunk: int | None) -> int:
@@ -230,6 +231,7 @@ class Measured:
                     flops_recompute=self._flops(self.flops_recompute, seq), **attention,
                     saved_bytes=self._bytes(self.saved.items(), seq, chunk), peak_fwd_bytes=peak(self.fwd_sums),
                     peak_bwd_bytes=peak(self.bwd_sums), graph_nodes=self._nodes(seq, chunk),
+                    peak_bwd_replay_bytes=None if self.bwd_replay_sums is None else peak(self.bwd_replay_sums),
                     rebuild_bytes=None if self.rebuild is None else self._bytes(self.rebuild.items(), seq, chunk))
 
 

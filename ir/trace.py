@@ -27,7 +27,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import flop_registry
 
-from megatrain.models import routing, tiled
+from megatrain.models import replay, routing, tiled
 from megatrain.models.binding import run_unit, template_layout
 from megatrain.models.config import ModelConfig
 from megatrain.models.moe import moe_layers
@@ -133,6 +133,7 @@ def _measure_unit(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: 
             with routing.capacity_bound():
                 bound = _measure(template, carry_in, inputs, dt, scale)
             m.saved, m.fwd_sums, m.bwd_sums = bound.saved, bound.fwd_sums, bound.bwd_sums
+            m.bwd_replay_sums = bound.bwd_replay_sums
     return m
 
 
@@ -182,11 +183,43 @@ def _measure(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch
     saved_classes: Counter = Counter()
     for cls, n in saved.values():
         saved_classes[cls] += n
+    replay_sums = _measure_replay(template, params, carry, inputs, buffers, existing, scale, dt)
     return Measured(scale=scale, loss_chunk=inputs.loss_chunk, flops_fwd=fwd_flops.counts,
                     flops_bwd=bwd_flops.counts, flops_recompute=rec_flops.counts, saved=saved_classes, fwd_sums=fwd_sums,
-                    bwd_sums=bwd_sums, graph_nodes=graph_nodes if graph_nodes is not None else
+                    bwd_sums=bwd_sums, bwd_replay_sums=replay_sums, graph_nodes=graph_nodes if graph_nodes is not None else
                     fwd_mem.ops + len(params) + len(carry) + 1, ops=fwd_mem.ops,
                     region_ops=fwd_mem.region_ops, region_iters=iters)
+
+
+def _replays(template, inputs: StepInputs, dt: torch.dtype) -> bool:
+    """Whether the unit's backward may replay its fused attention (models/replay.py): a block of unpacked
+    sequences (packed ones attend per document, a data-dependent number of calls) whose target runs the
+    flash kernel the trace stands for (CUDA runs fp32 through the memory-efficient one, whose log-sum-exp is
+    padded to 32 rows: not recorded)."""
+    flash = inputs.target == "cpu" or dt in (torch.bfloat16, torch.float16)
+    return template.kind == "block" and inputs.segments is None and flash
+
+
+def _measure_replay(template, params, carry, inputs: StepInputs, buffers, existing, scale: Scale | None,
+                    dt: torch.dtype):
+    """The storage sums of a backward whose recompute replays attention (None: the unit cannot): the record
+    is made by a no-grad forward first and, a program buffer, not counted."""
+    if not _replays(template, inputs, dt):
+        return None
+    rec = replay.Record()
+    with torch.no_grad(), replay.record_attention(rec):
+        run_unit(template, params, carry, inputs, buffers)
+    if not rec.ops:
+        return None
+    with LiveBytes(scale, [*existing, *rec.tensors]) as mem, torch.enable_grad():
+        with replay.replay_attention(rec):
+            out = run_unit(template, params, carry, inputs, buffers, **recompute_mode(template.kind))
+        grads_out = [torch.ones_like(o) for o in out]
+        grads = torch.autograd.grad(out, [*params.values(), *carry], grads_out, allow_unused=True)
+        mem.exclude([*grads_out, *(g for g in grads[len(params):] if g is not None)])
+        sums = mem.sums
+        del out, grads, grads_out
+    return sums
 
 
 def _carry_out(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: torch.dtype, unit: str,
@@ -196,20 +229,23 @@ def _carry_out(template, carry_in: list[TensorSpec], inputs: StepInputs, dt: tor
     params = {n: torch.empty(p.shape, dtype=dt) for n, p in template.named_parameters()}
     carry = tuple(torch.empty(s.shape, dtype=DTYPES[s.dtype]) for s in carry_in)
     rebuild = getattr(template, "can_rebuild", False)
-    with torch.no_grad():
+    rec = replay.Record()
+    with torch.no_grad(), replay.record_attention(rec):
         out = run_unit(template, params, carry, inputs, _buffers(template), **({"record": True} if rebuild else {}))
     out, side = out if rebuild else (out, None)
+    attn = [TensorSpec(name=f"{unit}.attn{i}", shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+            for i, t in enumerate(rec.tensors)] if _replays(template, inputs, dt) else []
     for i, t in enumerate(out):
         if not t.is_contiguous():  # an offloaded copy would be contiguous, and kernels may sum differently
             raise ValueError(f"unit {unit} returns a non-contiguous carry (output {i}); make it .contiguous()")
     specs = [TensorSpec(name=f"{unit}.out{i}", shape=tuple(t.shape), dtype=str(t.dtype).removeprefix("torch."))
              for i, t in enumerate(out)]
     if side is None:
-        return specs, None
+        return specs, None, attn
     classed: Counter = Counter()
     for t in side:
         classed[scale.classify(t.shape) if scale is not None else (0, 0)] += t.nbytes
-    return specs, classed
+    return specs, classed, attn
 
 
 def chunk_candidates(seq_len: int) -> tuple[int, ...]:
@@ -309,7 +345,8 @@ def trace(model: str | ModelConfig, micro_batch: int, seq_len: int, dtype: str |
                 name=name, index=index, kind=tmpl.kind, template=key, params=m["layout"], flat_numel=m["flat_numel"],
                 tied=tied_params(config, name), buffers=m["buffers"],
                 carry_in=tuple(s.replace(name=f"{name}.in{i}") for i, s in enumerate(carry_in)),
-                carry_out=tuple(carry_out), chunk_options=m["options"], **m["figures"]))
+                carry_out=tuple(carry_out), chunk_options=m["options"],
+                replay=tuple(s.replace(name=f"{name}.attn{i}") for i, s in enumerate(m["replay"])), **m["figures"]))
             carry_in = [] if tmpl.kind == "head" else carry_out
             carry_s = [] if tmpl.kind == "head" else m["carry_s"]
     names = [u.name for u in units]
@@ -343,13 +380,14 @@ class _Runner:
         out: dict = dict(layout=layout, flat_numel=numel, buffers=buffers, carry_s=[])
         direct = not scaled
         if direct:
-            specs, side = _carry_out(tmpl, carry_in, self._inputs(kind, self.seq, None), self.dt, name, None)
-            out.update(carry_out=specs, rebuild=None if side is None else sum(side.values()))
+            specs, side, attn = _carry_out(tmpl, carry_in, self._inputs(kind, self.seq, None), self.dt, name, None)
+            out.update(carry_out=specs, rebuild=None if side is None else sum(side.values()), replay=attn)
         if sc is not None:
-            specs_s, side_s = _carry_out(tmpl, carry_s, self._inputs(kind, sc.seq, None), self.dt, name, sc)
+            specs_s, side_s, attn_s = _carry_out(tmpl, carry_s, self._inputs(kind, sc.seq, None), self.dt, name, sc)
             out["carry_s"] = specs_s
             if not direct:
                 out["carry_out"] = [s.replace(shape=sc.scale_shape(s.shape, self.seq)) for s in specs_s]
+                out["replay"] = [s.replace(shape=sc.scale_shape(s.shape, self.seq)) for s in attn_s]
 
         def measure(chunk_s: int | None, on_scale: bool) -> Measured:
             if on_scale:
@@ -365,6 +403,8 @@ class _Runner:
                 sc.chunk if on_scale else chunk, on_scale)
         out["figures"] = untiled.at(self.seq, None) if chunk is None else tiled_m.at(self.seq, chunk)
         out["figures"]["rebuild_bytes"] = out.pop("rebuild", None) if direct else _scaled_side(side_s, sc, self.seq)
+        if not out["replay"]:  # the record's specs carry the unit's own name (UnitIR.replay, set per unit)
+            out["figures"]["peak_bwd_replay_bytes"] = None
         menu = [(None, untiled)] + [(c, tiled_m) for c in options] if options else []
         out["options"] = tuple(ChunkFigures(chunk_tokens=c, **_option(m.at(self.seq, c))) for c, m in menu)
         return out
@@ -372,7 +412,7 @@ class _Runner:
 
 def _option(f: dict) -> dict:
     return {k: f[k] for k in ("flops_fwd", "flops_bwd", "flops_recompute", "saved_bytes", "peak_fwd_bytes", "peak_bwd_bytes",
-                              "graph_nodes")}
+                              "peak_bwd_replay_bytes", "graph_nodes")}
 
 
 def _scaled_side(side, scale: Scale, seq: int) -> int | None:

@@ -6,8 +6,8 @@ model both price ops here, so they agree on every figure. Try it:
 
 - forward: flops_fwd / achievable matmul FLOP/s + fx graph nodes x dispatch overhead;
 - backward: (flops_bwd + the recompute's FLOPs unless the unit kept its graph (flops_fwd less what a
-  recompute leaves unevaluated, UnitIR.recompute_flops), + flops_fwd again when it rebuilds its carry-in) /
-  FLOP/s + 2 x nodes x overhead;
+  recompute leaves unevaluated, UnitIR.recompute_flops, and less the fused attention's when it replays it,
+  models/replay.py), + flops_fwd again when it rebuilds its carry-in) / FLOP/s + 2 x nodes x overhead;
 - load_params / load_act: bytes / h2d bandwidth + copy latency. A bf16 unit's source is cast from its fp32
   master into the pinned staging ring as it loads (host_policy.py), in chunks that overlap the link: its
   load takes max(link, cast), the cast moving 6 B/param (read 4, write 2) at host memory bandwidth;
@@ -75,7 +75,9 @@ class CostModel:
         self.clip = len(ir.units) * 1e-6
         self.fwd_graph, self.rebuild = list(self.fwd), list(self.fwd)
         self.recompute = [u.recompute_flops / flops + u.graph_nodes * hw.op_overhead_s for u in ir.units]
-        self.fwd_record, self.norm = list(self.fwd), [0.0] * len(ir.units)
+        # a recompute that replays the fused attention (models/replay.py) skips its FLOPs
+        self.replay_saves = [u.attn_flops_fwd / flops if u.replay else 0.0 for u in ir.units]
+        self.fwd_record, self.fwd_replay, self.norm = list(self.fwd), list(self.fwd), [0.0] * len(ir.units)
         self.dispatch_s = self.event_latency_s = self.step_gap_s = 0.0
         self.contention: dict[str, dict[str, float]] = {}
         self.measured = [False] * len(ir.units)
@@ -96,6 +98,11 @@ class CostModel:
             self.measured[i] = True
             self.fwd[i], self.fwd_graph[i], self.bwd[i] = t.forward_s, t.forward_graph_s, t.backward_s
             self.recompute[i] = max(0.0, t.recompute_backward_s - t.backward_s)
+            if u.replay and t.replay_backward_s is not None:
+                self.replay_saves[i] = max(0.0, t.recompute_backward_s - t.replay_backward_s)
+                self.fwd_replay[i] = t.forward_replay_s or t.forward_s
+            elif u.replay and u.recompute_flops:  # not measured: the measured recompute's attention share by FLOPs
+                self.replay_saves[i] = self.recompute[i] * u.attn_flops_fwd / u.recompute_flops
             if t.rebuild_backward_s is not None:
                 self.rebuild[i] = max(0.0, t.rebuild_backward_s - t.recompute_backward_s)
                 self.fwd_record[i] = t.forward_rebuild_s or t.forward_s
@@ -109,10 +116,12 @@ class CostModel:
             if opt is not None:  # a tied borrower owns fewer parameters than the unit measured
                 self.opt[i] = opt * (u.n_params / t.n_params if t.n_params else 1.0)
 
-    def backward(self, i: int, keep: bool, rebuild: bool = False) -> float:
-        """Backward of unit i for one micro-batch, with the recompute of its forward unless `keep`, and one
-        more forward's worth to rebuild its carry-in when `rebuild` (its sub-layers run again)."""
-        return self.bwd[i] + (0.0 if keep else self.recompute[i]) + (self.rebuild[i] if rebuild else 0.0)
+    def backward(self, i: int, keep: bool, rebuild: bool = False, replay: bool = False) -> float:
+        """Backward of unit i for one micro-batch, with the recompute of its forward unless `keep` (less its
+        fused attention when it `replay`s it), and one more forward's worth to rebuild its carry-in when
+        `rebuild` (its sub-layers run again)."""
+        rec = 0.0 if keep else self.recompute[i] - (self.replay_saves[i] if replay else 0.0)
+        return self.bwd[i] + rec + (self.rebuild[i] if rebuild else 0.0)
 
     def op_seconds(self, ins, sizes: dict[str, int] | None = None, warm: bool = False) -> float:
         """Seconds of one instruction (Instr or planner Op) on its stream; `warm`: a forward or backward that
@@ -123,12 +132,13 @@ class CostModel:
         op = ins.op
         if op == "forward":
             i = self.index[ins.unit]
-            t = self.fwd_graph[i] if ins.keep_graph else self.fwd_record[i] if ins.rebuild else self.fwd[i]
+            t = (self.fwd_graph[i] if ins.keep_graph else self.fwd_record[i] if ins.rebuild
+                 else self.fwd_replay[i] if ins.replay else self.fwd[i])
             return t * self.warm_fwd[i] if warm else t
         if op == "backward":
             keep = any(r.startswith("saved.") for r in ins.reads)
             i = self.index[ins.unit]
-            t = self.backward(i, keep, ins.rebuild) + (self.norm[i] if ins.norm else 0.0)
+            t = self.backward(i, keep, ins.rebuild, ins.replay) + (self.norm[i] if ins.norm else 0.0)
             return t * self.warm_bwd[i] if warm else t
         if op == "load_params":
             return self.load[self.index[ins.unit]]

@@ -66,7 +66,8 @@ def summary_lines(p: Plan) -> list[str]:
         f"slots {p.n_slots} x {format_bytes(p.slot_bytes)} (prefetch distance {p.prefetch_distance}), "
         f"{p.n_grad_slots} gradient slot(s) x {format_bytes(p.grad_slot_bytes)}; checkpoints {counts['device']} "
         f"device, {counts['host']} host, {counts['keep']} keep"
-        + (f", {counts['rebuild']} rebuild" if counts["rebuild"] else ""),
+        + (f", {counts['rebuild']} rebuild" if counts["rebuild"] else "")
+        + (f"; {replays} replay attention" if (replays := sum(u.replay for u in p.units)) else ""),
     ]
     return lines + tiling_lines(p)
 
@@ -113,7 +114,8 @@ def unit_groups(p: Plan) -> list[tuple[str, list]]:
 
 
 def _row_key(u) -> tuple:
-    ckpt = "-" if not u.checkpoint_bytes else u.placement + ("" if not u.resident else ", resident")
+    ckpt = "-" if not u.checkpoint_bytes else u.placement + ("+replay" if u.replay else "") + (
+        "" if not u.resident else ", resident")
     if not u.checkpoint_bytes and u.resident:
         ckpt = "resident"
     return (u.kind, f"{u.params / 1e6:.4g}M", ckpt,

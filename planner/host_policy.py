@@ -140,11 +140,18 @@ def grad_buffer_elems(ir: ModelIR, assignment: Sequence[int]) -> list[int]:
     return sizes
 
 
-def checkpoint_buffers(ir: ModelIR, placement: Sequence[str], n_micro: int) -> list[tuple[int, ...]]:
+def checkpoint_buffers(ir: ModelIR, placement: Sequence[str], n_micro: int,
+                       replay: Sequence[bool] = ()) -> list[tuple[int, ...]]:
     """Bytes of every host checkpoint, tensor by tensor: each unit placed on host offloads its carry-in tensors
-    once per micro-batch (one program buffer each, what the lowering offloads)."""
-    return [tuple(t.nbytes for t in u.carry_in) for u, p in zip(ir.units, placement) if p == "host" and u.carry_in
-            for _ in range(n_micro)]
+    once per micro-batch, and its attention record when it replays (one program buffer each, what the
+    lowering offloads)."""
+    out = []
+    for i, (u, p) in enumerate(zip(ir.units, placement)):
+        if p == "host" and u.carry_in:
+            out += [tuple(t.nbytes for t in u.carry_in)] * n_micro
+            if replay and replay[i]:
+                out += [tuple(t.nbytes for t in u.replay)] * n_micro
+    return out
 
 
 def staged(checkpoint: Sequence[int]) -> bool:

@@ -143,7 +143,7 @@ def checkpoints_pass(s: State) -> tuple[State, list[str]]:
     device_budget = s.hw.device_bytes_for(s.budget)
     # NOTE: each pinned checkpoint tensor starts on a PIN_ALIGN boundary: leave room for that, and for the
     # checkpoint staging buffers should a checkpoint too long for its own pinned copy go to the host
-    slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) for u in s.ir.units) + \
+    slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) + len(u.replay) for u in s.ir.units) + \
         staging_bytes(max((u.carry_in_bytes for u in s.ir.units), default=0))
     dec, lines, tl = search(s.ir, s.costs, s.train.grad_accum, s.train.clip_norm is not None, device_budget,
                             _host_room(s) - slack)
@@ -180,7 +180,8 @@ def optimizer_pass(s: State) -> tuple[State, list[str]]:
     if s.train.clip_norm is not None:
         return s, [f"clip_norm {s.train.clip_norm:g}: clip_grads after every store, then every unit steps in "
                    "forward order while the next forward streams right behind (docs/DESIGN.md 4.5)"]
-    held = checkpoint_host_bytes(checkpoint_buffers(s.ir, s.decisions.placement, s.train.grad_accum))
+    held = checkpoint_host_bytes(checkpoint_buffers(s.ir, s.decisions.placement, s.train.grad_accum,
+                                                    s.decisions.replay))
     room = _host_room(s) - held - PAGE
     split, ring, lines = choose_split(s.ir, s.costs, s.order, s.decisions, s.policy, room)
     return dataclasses.replace(s, decisions=dataclasses.replace(s.decisions, optimizer_split=split,
@@ -189,7 +190,7 @@ def optimizer_pass(s: State) -> tuple[State, list[str]]:
 
 def lower_pass(s: State) -> tuple[State, list[str]]:
     ops = lower_ops(s.ir, s.order, s.decisions.placement, s.train.clip_norm is not None,
-                    s.decisions.optimizer_split, host_grad_ring=s.decisions.host_grad_ring)
+                    s.decisions.optimizer_split, host_grad_ring=s.decisions.host_grad_ring, replay=s.decisions.replay)
     counts: dict[str, int] = {}
     for op in ops:
         counts[op.op] = counts.get(op.op, 0) + 1
@@ -322,14 +323,16 @@ def _suggest(nbytes: int) -> str:
 def _dominant(ir: ModelIR, K: int, dec: Decisions, clip: bool, tl: Timeline, hw: Hardware) -> tuple[str, int]:
     """The largest component of the device peak of `dec`'s program."""
     # NOTE: compute_only, as exact_timeline lowers: tl.index points into that list
-    ops = lower_ops(ir, make_order(len(ir.units), K, dec), dec.placement, clip, compute_only=True)
+    ops = lower_ops(ir, make_order(len(ir.units), K, dec), dec.placement, clip, compute_only=True,
+                    replay=dec.replay)
     specs = {sp[0]: sp for sp in buffer_specs(ir, K, dec)}
     pos = tl.index[tl.peak_at]
     parts: dict[str, int] = {}
     labels = {"param_slot": "the parameter slot", "grad_slot": "the fp32 gradient slot",
               "resident": "resident tensors, batch and loss", "batch": "resident tensors, batch and loss",
               "loss": "resident tensors, batch and loss", "carry": "checkpoints and carries in flight",
-              "saved": "kept activations", "grad_carry": "carry gradients in flight"}
+              "saved": "kept activations", "grad_carry": "carry gradients in flight",
+              "attention": "attention records kept for replay"}
     for name in live_at(ops, [n for n, sp in specs.items() if sp[3]], pos):
         label = labels[specs[name][1]]
         parts[label] = parts.get(label, 0) + specs[name][2]
@@ -345,7 +348,7 @@ def program_for(ir: ModelIR, n_micro: int, decisions: Decisions, clip: bool = Fa
     """The synced Program for explicit decisions, without the search or the budget (tests, experiments)."""
     order = make_order(len(ir.units), n_micro, decisions)
     ops, _ = insert_sync(lower_ops(ir, order, decisions.placement, clip, decisions.optimizer_split,
-                                   host_grad_ring=decisions.host_grad_ring), ir)
+                                   host_grad_ring=decisions.host_grad_ring, replay=decisions.replay), ir)
     bufs = tuple(Buffer(name=n, kind=k, nbytes=b, static=st, unit=u, mb=m)
                  for n, k, b, st, u, m in buffer_specs(ir, n_micro, decisions))
     return Program(n_micro_batches=n_micro, buffers=bufs, instrs=tuple(Instr(**op.fields()) for op in ops))

@@ -38,6 +38,7 @@ from .bytesize import format_bytes
 from .costs import CostModel
 from .schedule import Decisions, buffer_specs, can_rebuild, grad_slot_bytes, lower_ops, make_order, slot_bytes
 from .timeline import Timeline, walk
+from .transfers import copy_seconds
 
 MAX_REJECTIONS = 6
 
@@ -50,7 +51,8 @@ def minimal(ir: ModelIR) -> Decisions:
 def exact_timeline(ir: ModelIR, n_micro: int, dec: Decisions, clip: bool) -> Timeline:
     """The device timeline of the lowered program (sync ops add no memory, so they are not needed)."""
     specs = buffer_specs(ir, n_micro, dec)
-    ops = lower_ops(ir, make_order(len(ir.units), n_micro, dec), dec.placement, clip, compute_only=True)
+    ops = lower_ops(ir, make_order(len(ir.units), n_micro, dec), dec.placement, clip, compute_only=True,
+                    replay=dec.replay)
     return walk(ops, {s[0]: s[2] for s in specs}, [s[0] for s in specs if s[3]])
 
 
@@ -59,7 +61,8 @@ class _Move:
     kind: str  # "ckpt" | "slot" | "grad"
     unit: int
     to: str
-    nbytes: int
+    nbytes: int  # device bytes it holds across the step (what the ratio divides by)
+    bound: int | None = None  # the most it can raise the peak, when not nbytes (a record in flight)
 
 
 class _Model:
@@ -81,6 +84,10 @@ class _Model:
         self.rec = [K * f for f in c.recompute]
         self.off = [K * o for o in c.offload]
         self.on = [K * r for r in c.reload]
+        # a replaying unit's recompute skips its attention; on host its record crosses the link with it
+        self.rsave = [K * x for x in c.replay_saves]
+        self.off_r = [K * copy_seconds(u.replay_bytes, costs.hw.d2h_bytes_per_s, costs.hw) for u in ir.units]
+        self.on_r = [K * copy_seconds(u.replay_bytes, costs.hw.h2d_bytes_per_s, costs.hw) for u in ir.units]
 
     def time(self, S: int, G: int, rec: float, off: float, on: float) -> tuple[float, float]:
         """(predicted step, its GPU-side part)."""
@@ -92,6 +99,33 @@ class _Model:
         host = self.opt + (B if self.clip else 0.0)
         return max(gpu, host), gpu
 
+    def rec_of(self, i: int, place: str, replay: bool) -> float:
+        """Backward recompute seconds of unit i's checkpoint state: keep recomputes nothing, rebuild one
+        forward more than device or host, a replaying one its forward less the attention."""
+        if place == "keep":
+            return 0.0
+        if place == "rebuild":
+            return 2 * self.rec[i]
+        return self.rec[i] - (self.rsave[i] if replay else 0.0)
+
+    def link_of(self, i: int, place: str, replay: bool) -> tuple[float, float]:
+        """(offload, reload) seconds of unit i's checkpoint state."""
+        if place != "host":
+            return 0.0, 0.0
+        return self.off[i] + (self.off_r[i] if replay else 0.0), self.on[i] + (self.on_r[i] if replay else 0.0)
+
+
+# checkpoint states a move may go to, in the order ties are broken: (placement, replay)
+_TARGETS = (("device", False), ("keep", False), ("rebuild", False), ("host", True), ("device", True))
+
+
+def _label(place: str, replay: bool) -> str:
+    return place + ("+replay" if replay else "")
+
+
+def _state(label: str) -> tuple[str, bool]:
+    return label.removesuffix("+replay"), label.endswith("+replay")
+
 
 def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budget: int,
            host_budget: int) -> tuple[Decisions, list[str], Timeline]:
@@ -102,19 +136,30 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
     model = _Model(ir, costs, K, clip)
     S, G = 1, 1
     place = list(minimal(ir).placement)
+    rep = [False] * n
     sb, gb = slot_bytes(ir), grad_slot_bytes(ir)
     cin = [K * u.carry_in_bytes for u in ir.units]
     sav = [K * u.saved_bytes for u in ir.units]
     side = [K * (u.rebuild_bytes or 0) for u in ir.units]
+    rb = [K * u.replay_bytes for u in ir.units]
     rebuildable = [can_rebuild(ir, i) for i in range(n)]
+    replayable = [bool(u.replay) and bool(u.carry_in) for u in ir.units]
     lines: list[str] = []
-    rec = sum(model.rec[i] for i in range(n) if place[i] != "keep")
-    off = sum(model.off[i] for i in range(n) if place[i] == "host")
-    on = sum(model.on[i] for i in range(n) if place[i] == "host")
-    host = sum(cin[i] for i in range(n) if place[i] == "host")
+
+    def dev_bytes(i: int, p: str, r: bool) -> int:
+        """Device bytes unit i's checkpoints hold across the step in state (p, r)."""
+        return {"host": 0, "device": cin[i] + (rb[i] if r else 0), "keep": cin[i] + sav[i], "rebuild": side[i]}[p]
+
+    def host_of(i: int, p: str, r: bool) -> int:
+        return cin[i] + (rb[i] if r else 0) if p == "host" else 0
+
+    rec = sum(model.rec_of(i, place[i], False) for i in range(n))
+    off = sum(model.link_of(i, place[i], False)[0] for i in range(n))
+    on = sum(model.link_of(i, place[i], False)[1] for i in range(n))
+    host = sum(host_of(i, place[i], False) for i in range(n))
 
     def decisions() -> Decisions:
-        return Decisions(S, G, tuple(place))
+        return Decisions(S, G, tuple(place), replay=tuple(rep) if any(rep) else ())
 
     tl = exact_timeline(ir, K, decisions(), clip)
     peak = tl.peak
@@ -142,26 +187,31 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
         if G < 2:
             yield _Move("grad", -1, "", gb)
         for i in range(n - 1, 0, -1):
-            if place[i] == "host":
-                yield _Move("ckpt", i, "device", cin[i])
-                yield _Move("ckpt", i, "keep", cin[i] + sav[i])
-                if rebuildable[i]:
-                    yield _Move("ckpt", i, "rebuild", side[i])
-            elif place[i] == "device":
-                yield _Move("ckpt", i, "keep", sav[i])
-            elif place[i] == "rebuild":
-                yield _Move("ckpt", i, "device", cin[i] - side[i])
-                yield _Move("ckpt", i, "keep", cin[i] - side[i] + sav[i])
+            if not ir.units[i].carry_in:
+                continue
+            cur = (place[i], rep[i])
+            for p, r in _TARGETS:
+                if (p, r) == cur or (p == "rebuild" and not rebuildable[i]) or (r and not replayable[i]):
+                    continue
+                nb = dev_bytes(i, p, r) - dev_bytes(i, *cur)
+                if nb < 0 or host - host_of(i, *cur) + host_of(i, p, r) > host_budget:
+                    continue
+                # a record offloaded with its checkpoint holds the device only while it crosses the link
+                yield _Move("ckpt", i, _label(p, r), nb, rb[i] if (p, r) == ("host", True) else None)
+
+    def sums_after(m: _Move) -> tuple[float, float, float, int]:
+        i, (p, r) = m.unit, _state(m.to)
+        o0, a0 = model.link_of(i, place[i], rep[i])
+        o1, a1 = model.link_of(i, p, r)
+        return (rec - model.rec_of(i, place[i], rep[i]) + model.rec_of(i, p, r), off - o0 + o1, on - a0 + a1,
+                host - host_of(i, place[i], rep[i]) + host_of(i, p, r))
 
     def after(m: _Move) -> tuple[float, float]:
         if m.kind == "slot":
             return model.time(S + 1, G, rec, off, on)
         if m.kind == "grad":
             return model.time(S, G + 1, rec, off, on)
-        was = place[m.unit]
-        r = rec + _rec_delta(model.rec[m.unit], was, m.to)
-        o = off - (model.off[m.unit] if was == "host" else 0.0)
-        a = on - (model.on[m.unit] if was == "host" else 0.0)
+        r, o, a, _ = sums_after(m)
         return model.time(S, G, r, o, a)
 
     rejected: set[_Move] = set()
@@ -184,25 +234,27 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
             break
         new_t, new_gpu = after(best)
         # a rebuild also holds the next carry-in longer in backward: its bytes are no bound, check exactly
-        if best.to == "rebuild" or peak + best.nbytes > device_budget:
-            trial = _apply(best, S, G, place)
-            tl_try = exact_timeline(ir, K, Decisions(*trial), clip)
+        bound = best.nbytes if best.bound is None else best.bound
+        if best.to == "rebuild" or peak + bound > device_budget:
+            trial = _apply(best, S, G, place, rep)
+            tl_try = exact_timeline(ir, K, trial, clip)
             if tl_try.peak > device_budget:
                 rejected.add(best)
-                too_big = min(too_big, best.nbytes)
+                if best.bound is None:  # a transient record's bytes say nothing of the others'
+                    too_big = min(too_big, best.nbytes)
                 if len(rejected) == 1 or len(rejected) == MAX_REJECTIONS:
                     lines.append(f"{_describe(best, ir)} does not fit: exact peak {format_bytes(tl_try.peak)}")
                 continue
             tl, peak = tl_try, tl_try.peak
         else:
-            peak += best.nbytes
+            peak += bound
             tl = None
+        was = ""
         if best.kind == "ckpt":
-            i, was = best.unit, place[best.unit]
-            rec += _rec_delta(model.rec[i], was, best.to)
-            if was == "host":
-                off, on, host = off - model.off[i], on - model.on[i], host - cin[i]
-            place[i] = best.to
+            i = best.unit
+            was = _label(place[i], rep[i])
+            rec, off, on, host = sums_after(best)
+            place[i], rep[i] = _state(best.to)
         S, G = (S + 1, G) if best.kind == "slot" else ((S, G + 1) if best.kind == "grad" else (S, G))
         key = f"{best.kind} {'' if best.kind != 'ckpt' else was + ' -> ' + best.to}"
         entry = taken.setdefault(key, [0, 0, 0.0, [], 0.0])
@@ -214,24 +266,25 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
         t, gpu = new_t, new_gpu
     for key, (count, nbytes, gain, names, gpu_gain) in taken.items():
         what = _group(key, count, names)
-        side = f" (GPU side {gpu_gain * 1e3:.4g} ms)" if key.split()[0] != "ckpt" else ""
-        lines.append(f"{what}: {gain * 1e3:.4g} ms saved (analytic){side} for {format_bytes(nbytes)}")
+        side_note = f" (GPU side {gpu_gain * 1e3:.4g} ms)" if key.split()[0] != "ckpt" else ""
+        lines.append(f"{what}: {gain * 1e3:.4g} ms saved (analytic){side_note} for {format_bytes(nbytes)}")
     dec = decisions()
     if tl is None:
         tl = exact_timeline(ir, K, dec, clip)
     lines.append(f"final: {S} parameter slots (prefetch distance {S - 1}), {G} gradient slot(s); checkpoints "
                  f"{place.count('device') - (0 if ir.units[0].carry_in else 1)} device, {place.count('host')} host, "
-                 f"{place.count('keep')} keep{_rebuilds(place)}; exact peak {format_bytes(tl.peak)}; analytic step {t:.4g} s")
+                 f"{place.count('keep')} keep{_rebuilds(place)}{_replays(rep)}; exact peak {format_bytes(tl.peak)}; "
+                 f"analytic step {t:.4g} s")
     return dec, lines, tl
 
 
 def analytic_time(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, dec: Decisions) -> float:
     """The search's analytic step time of decisions `dec` (for comparing the searches of other IRs)."""
     model = _Model(ir, costs, n_micro, clip)
-    place = dec.placement
-    rec = sum(model.rec[i] + (model.rec[i] if p == "rebuild" else 0.0) for i, p in enumerate(place) if p != "keep")
-    off = sum(model.off[i] for i, p in enumerate(place) if p == "host")
-    on = sum(model.on[i] for i, p in enumerate(place) if p == "host")
+    states = [(p, dec.replays(i)) for i, p in enumerate(dec.placement)]
+    rec = sum(model.rec_of(i, p, r) for i, (p, r) in enumerate(states))
+    off = sum(model.link_of(i, p, r)[0] for i, (p, r) in enumerate(states))
+    on = sum(model.link_of(i, p, r)[1] for i, (p, r) in enumerate(states))
     return model.time(dec.n_slots, dec.n_grad_slots, rec, off, on)[0]
 
 
@@ -240,21 +293,20 @@ def _rebuilds(place: list[str]) -> str:
     return f", {n} rebuild" if n else ""
 
 
-def _rec_delta(fwd: float, was: str, to: str) -> float:
-    """Change of backward recompute seconds when a checkpoint moves: keep recomputes nothing, rebuild one
-    forward more than device or host."""
-    cost = {"keep": 0.0, "device": fwd, "host": fwd, "rebuild": 2 * fwd}
-    return cost[to] - cost[was]
+def _replays(rep: list[bool]) -> str:
+    n = sum(rep)
+    return f", {n} replaying attention" if n else ""
 
 
-def _apply(m: _Move, S: int, G: int, place: list[str]) -> tuple[int, int, tuple[str, ...]]:
+def _apply(m: _Move, S: int, G: int, place: list[str], rep: list[bool]) -> Decisions:
     if m.kind == "slot":
-        return S + 1, G, tuple(place)
-    if m.kind == "grad":
-        return S, G + 1, tuple(place)
-    p = list(place)
-    p[m.unit] = m.to
-    return S, G, tuple(p)
+        S += 1
+    elif m.kind == "grad":
+        G += 1
+    p, r = list(place), list(rep)
+    if m.kind == "ckpt":
+        p[m.unit], r[m.unit] = _state(m.to)
+    return Decisions(S, G, tuple(p), replay=tuple(r) if any(r) else ())
 
 
 def _describe(m: _Move, ir: ModelIR) -> str:

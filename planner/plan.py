@@ -47,10 +47,13 @@ class UnitPlan(IRModel):
     kind: str
     params: int
     placement: Literal["device", "host", "keep", "rebuild"]
+    replay: bool = Field(False, description="its checkpoint also keeps the fused attention's outputs, which its "
+                         "recompute replays (models/replay.py)")
     slot: int
     grad_slot: int
     resident: bool = Field(description="stays in its slot from forward to backward (no reload)")
-    checkpoint_bytes: int = Field(description="device or host bytes of its checkpoints (keep: + saved graph)")
+    checkpoint_bytes: int = Field(description="device or host bytes of its checkpoints (keep: + saved graph; "
+                                  "replay: + the attention records)")
     forward_s: float
     backward_s: float = Field(description="backward including the recompute of the forward unless kept")
     h2d_s: float = Field(description="parameter loads plus checkpoint reloads")

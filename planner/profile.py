@@ -36,7 +36,8 @@ from megatrain.files import cache_root, check_cache_writable, read_json, write_a
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
-PROFILE_VERSION = 3  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates
+PROFILE_VERSION = 4  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
+# 4: attention replay's forward and backward
 MAX_PROFILE_BYTES = 4 << 20
 
 
@@ -55,6 +56,8 @@ class UnitTimes(IRModel):
     recompute_backward_warm_s: float | None = Field(None, ge=0, description="the same right after one of its own")
     forward_rebuild_s: float | None = Field(None, ge=0, description="forward recording what a rebuild needs")
     rebuild_backward_s: float | None = Field(None, ge=0, description="backward rebuilding its carry-in first")
+    forward_replay_s: float | None = Field(None, ge=0, description="forward keeping its attention record")
+    replay_backward_s: float | None = Field(None, ge=0, description="backward whose recompute replays attention")
     norm_s: float = Field(ge=0, description="what `norm` (per-parameter gradient norms) adds to a backward")
     load_s: float = Field(ge=0, description="load_params: its weights (and buffers) into a slot")
     store_s: float = Field(ge=0, description="store_grads: its gradients and norms to the host")

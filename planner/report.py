@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 
 from megatrain.ir.base import dtype_bytes
 from megatrain.ir.model_ir import ModelIR
-from megatrain.ir.program import Program
+from megatrain.ir.program import Program, checkpoint_tensors
 
 from .host_policy import HostPolicy, host_layout, resolve
 from .plan import PassRecord, UnitPlan
+from .transfers import copy_seconds
 
 if TYPE_CHECKING:
     from .passes import State
@@ -28,7 +29,7 @@ def program_host_breakdown(ir: ModelIR, program: Program, policy: HostPolicy | s
         if ins.op == "store_grads" and ins.host_grad is not None:
             assignment[index[ins.unit]] = ins.host_grad
     offloaded = sorted({ins.buffer for ins in program.instrs if ins.op == "offload_act"})
-    checkpoints = [tuple(t.nbytes for t in ir.unit(program.buffer(name).unit).carry_in) for name in offloaded]
+    checkpoints = [tuple(t.nbytes for t in checkpoint_tensors(ir, program.buffer(name))) for name in offloaded]
     return host_layout(ir, resolve(policy), assignment, checkpoints)
 
 
@@ -41,13 +42,17 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
         place = dec.placement[i]
         host = place == "host" and bool(u.carry_in)
         resident = i in order.resident
-        ckpt = K * (u.rebuild_bytes if place == "rebuild" else u.carry_in_bytes + (u.saved_bytes if place == "keep" else 0))
+        rep = dec.replays(i)
+        ckpt = K * (u.rebuild_bytes if place == "rebuild" else u.carry_in_bytes + (u.saved_bytes if place == "keep" else 0)
+                    + (u.replay_bytes if rep else 0))
+        moved = K * copy_seconds(u.replay_bytes, hw.d2h_bytes_per_s, hw) if host and rep else 0.0
+        back = K * copy_seconds(u.replay_bytes, hw.h2d_bytes_per_s, hw) if host and rep else 0.0
         units.append(UnitPlan(
-            name=u.name, kind=u.kind, params=u.n_params, placement=place, slot=order.slot[i],
-            grad_slot=order.grad_slot[i], resident=resident, checkpoint_bytes=ckpt,
-            forward_s=K * costs.fwd[i], backward_s=K * costs.backward(i, place == "keep", place == "rebuild"),
-            h2d_s=costs.load[i] * (1 if resident else 2) + (K * costs.reload[i] if host else 0.0),
-            d2h_s=costs.store[i] + (K * costs.offload[i] if host else 0.0), optimizer_s=costs.opt[i]))
+            name=u.name, kind=u.kind, params=u.n_params, placement=place, replay=rep, slot=order.slot[i],
+            grad_slot=order.grad_slot[i], resident=resident, checkpoint_bytes=ckpt, forward_s=K * costs.fwd[i],
+            backward_s=K * costs.backward(i, place == "keep", place == "rebuild", rep),
+            h2d_s=costs.load[i] * (1 if resident else 2) + (K * costs.reload[i] if host else 0.0) + back,
+            d2h_s=costs.store[i] + (K * costs.offload[i] if host else 0.0) + moved, optimizer_s=costs.opt[i]))
     per_rank = [program_host_breakdown(r, s.program, s.policy) for r in s.rank_irs or (ir,)]
     totals = [sum(h.values()) for h in per_rank]
     host = per_rank[totals.index(max(totals))]  # the rank holding the most

@@ -21,7 +21,7 @@ from megatrain.ir.model_ir import ModelIR
 
 Placement = str  # "device" | "host" | "keep" | "rebuild"
 INSTR_FIELDS = ("op", "stream", "unit", "mb", "slot", "grad_slot", "event", "buffer", "keep_graph",
-                "accumulate", "rebuild", "norm", "host_grad", "shard", "reads", "writes", "workspace_bytes")
+                "accumulate", "rebuild", "replay", "norm", "host_grad", "shard", "reads", "writes", "workspace_bytes")
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,12 @@ class Decisions:
     placement: tuple[Placement, ...]
     optimizer_split: int | None = None  # units stepped in backward order as grads land; None = all
     host_grad_ring: int = 2  # host gradient buffers those units take turns in (HOST_GRAD_RING at least)
+    # per unit: its checkpoint also keeps the fused attention's outputs, which its recompute replays
+    # (models/replay.py; only with placement device or host); empty: none does
+    replay: tuple[bool, ...] = ()
+
+    def replays(self, i: int) -> bool:
+        return bool(self.replay) and self.replay[i]
 
 
     @property
@@ -50,12 +56,14 @@ class Op:
                  slot: int | None = None, grad_slot: int | None = None, event: str | None = None,
                  buffer: str | None = None, keep_graph: bool = False, accumulate: bool = False,
                  rebuild: bool = False, norm: bool = False, host_grad: int | None = None, shard: bool = False,
-                 reads: tuple[str, ...] = (), writes: tuple[str, ...] = (), workspace_bytes: int = 0):
+                 reads: tuple[str, ...] = (), writes: tuple[str, ...] = (), workspace_bytes: int = 0,
+                 replay: bool = False):
         self.op, self.stream, self.unit, self.mb = op, stream, unit, mb
         self.slot, self.grad_slot, self.event, self.buffer = slot, grad_slot, event, buffer
         self.keep_graph, self.accumulate, self.rebuild = keep_graph, accumulate, rebuild
         self.norm, self.host_grad, self.shard = norm, host_grad, shard
         self.reads, self.writes, self.workspace_bytes = reads, writes, workspace_bytes
+        self.replay = replay
 
     def fields(self) -> dict:
         return {f: getattr(self, f) for f in INSTR_FIELDS}
@@ -75,6 +83,16 @@ def dcarry(unit: str, mb: int) -> str:
 
 def side(unit: str, mb: int) -> str:
     return f"side.{unit}.{mb}"
+
+
+def attn(unit: str, mb: int) -> str:
+    return f"attn.{unit}.{mb}"
+
+
+def can_replay(ir: ModelIR, i: int, place: Placement) -> bool:
+    """Unit i's recompute may replay its fused attention: the trace recorded what it needs, and its checkpoint
+    is one the backward recomputes from (on device or host; a kept graph recomputes nothing)."""
+    return bool(ir.units[i].replay) and ir.units[i].carry_in != () and place in ("device", "host")
 
 
 def can_rebuild(ir: ModelIR, i: int) -> bool:
@@ -187,12 +205,14 @@ def buffer_specs(ir: ModelIR, n_micro: int, dec: Decisions) -> list[tuple]:
                 specs.append((saved(u.name, mb), "saved", u.saved_bytes, False, u.name, mb))
             if place == "rebuild":
                 specs.append((side(u.name, mb), "saved", u.rebuild_bytes, False, u.name, mb))
+            if dec.replays(u.index):
+                specs.append((attn(u.name, mb), "attention", u.replay_bytes, False, u.name, mb))
     return specs
 
 
 def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip: bool,
               optimizer_split: int | None = None, compute_only: bool = False,
-              host_grad_ring: int = HOST_GRAD_RING) -> list[Op]:
+              host_grad_ring: int = HOST_GRAD_RING, replay: tuple[bool, ...] = ()) -> list[Op]:
     """The sequential program of one step (no record/wait yet). A load is placed right after the last
     read of the slot it reuses, so it runs as early as the slot allows. Without clipping the first
     `optimizer_split` units of the backward are stepped as their gradients land, the rest after the
@@ -205,6 +225,13 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
         if where == "rebuild" and not can_rebuild(ir, i):
             raise ValueError(f"unit {units[i].name} cannot rebuild its carry-in (only DepthSSD blocks can, when "
                              "what they record is smaller than their carry); place its checkpoint elsewhere")
+    rep = tuple(replay) if replay else (False,) * len(units)
+    if len(rep) != len(units):
+        raise ValueError(f"replay names {len(rep)} units, the model has {len(units)}")
+    for i, on in enumerate(rep):
+        if on and not can_replay(ir, i, place[i]):
+            raise ValueError(f"unit {units[i].name} cannot replay its attention with its checkpoint {place[i]!r} "
+                             "(only blocks of unpacked sequences whose checkpoint is on device or host can)")
     last = order.forward[-1]
     mbs = range(order.micro_batches)
     ops: list[Op] = []
@@ -242,12 +269,21 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
                 writes.append(saved(u.name, mb))
             if rebuild:
                 writes.append(side(u.name, mb))
+            if rep[i]:
+                writes.append(attn(u.name, mb))
+            # NOTE: a replaying forward's workspace is its plain one, an upper bound: the record it keeps is
+            # allocated inside the forward and counted again as the attention buffer
             ops.append(Op("forward", "compute", unit=u.name, mb=mb, slot=slot[i], keep_graph=keep,
-                          rebuild=rebuild, reads=reads(i, mb), writes=tuple(writes),
+                          rebuild=rebuild, replay=rep[i], reads=reads(i, mb), writes=tuple(writes),
                           workspace_bytes=u.peak_fwd_bytes))
             if nxt is not None and place[nxt] == "host" and not compute_only:
                 buf = carry(units[nxt].name, mb)
                 ops.append(Op("offload_act", "d2h", buffer=buf, reads=(buf,), writes=(f"host:{buf}",)))
+            if rep[i] and place[i] == "host":  # the record leaves with the checkpoint
+                buf = attn(u.name, mb)
+                if not compute_only:
+                    ops.append(Op("offload_act", "d2h", buffer=buf, reads=(buf,), writes=(f"host:{buf}",)))
+                ops.append(Op("free", "compute", buffer=buf))
             if u.carry_in and place[i] in ("host", "rebuild"):
                 ops.append(Op("free", "compute", buffer=carry(u.name, mb)))
         if i not in order.resident and fwd_queue[slot[i]]:
@@ -257,10 +293,10 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
         u = units[i]
         if not u.carry_in or place[i] != "host":
             return
-        for mb in mbs:
-            ops.append(Op("alloc", "compute", buffer=carry(u.name, mb)))
-        for mb in mbs if not compute_only else ():
-            buf = carry(u.name, mb)
+        bufs = [carry(u.name, mb) for mb in mbs] + ([attn(u.name, mb) for mb in mbs] if rep[i] else [])
+        for buf in bufs:
+            ops.append(Op("alloc", "compute", buffer=buf))
+        for buf in bufs if not compute_only else ():
             ops.append(Op("load_act", "h2d", buffer=buf, reads=(f"host:{buf}",), writes=(buf,)))
 
     bwd = order.backward
@@ -279,8 +315,12 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
             extra = ((saved(u.name, mb),) if keep else ()) + ((dcarry(units[up].name, mb),) if up is not None else ())
             if rebuild:
                 extra += (carry(units[up].name, mb), side(u.name, mb))
+            if rep[i]:
+                extra += (attn(u.name, mb),)
             writes = (f"grad{g}",) + ((dcarry(u.name, mb),) if u.carry_in else ())
             ws = max(0, u.peak_bwd_bytes - u.saved_bytes) if keep else u.peak_bwd_bytes
+            if rep[i]:
+                ws = u.peak_bwd_replay_bytes
             if rebuild:
                 writes = (carry(u.name, mb), *writes)
                 ws = max(ws, u.peak_fwd_bytes)
@@ -288,8 +328,8 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
             if rebuild:  # it writes its carry-in rather than reading it
                 r = tuple(x for x in r if x != carry(u.name, mb))
             ops.append(Op("backward", "compute", unit=u.name, mb=mb, slot=slot[i], grad_slot=g,
-                          accumulate=mb > 0, rebuild=rebuild, norm=mb == order.micro_batches - 1, reads=r,
-                          writes=writes, workspace_bytes=ws))
+                          accumulate=mb > 0, rebuild=rebuild, replay=rep[i], norm=mb == order.micro_batches - 1,
+                          reads=r, writes=writes, workspace_bytes=ws))
             if up is not None:
                 ops.append(Op("free", "compute", buffer=dcarry(units[up].name, mb)))
             if rebuild:
@@ -299,6 +339,8 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
                 ops.append(Op("free", "compute", buffer=carry(u.name, mb)))
             if keep:
                 ops.append(Op("free", "compute", buffer=saved(u.name, mb)))
+            if rep[i]:
+                ops.append(Op("free", "compute", buffer=attn(u.name, mb)))
         if compute_only:
             continue
         ops.append(Op("store_grads", "d2h", unit=u.name, grad_slot=g, host_grad=hgrad[i], reads=(f"grad{g}",)))

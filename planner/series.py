@@ -39,7 +39,8 @@ LAYERS = {  # drawing order, bottom to top: label
     "reserve": "reserve + allocator margin",
 }
 BUFFER_LAYER = {"param_slot": "param_slot", "grad_slot": "grad_slot", "resident": "static", "batch": "static",
-                "loss": "static", "carry": "checkpoint", "saved": "checkpoint", "grad_carry": "grad_carry"}
+                "loss": "static", "carry": "checkpoint", "saved": "checkpoint", "grad_carry": "grad_carry",
+                "attention": "checkpoint"}
 BUFFER_LAYERS = ("param_slot", "grad_slot", "static", "checkpoint", "grad_carry")
 LANES = {"compute": "compute", "h2d": "h2d", "d2h": "d2h", "host": "host optimizer"}
 MAX_LABELS = 12  # more table groups than this: label the compute lane by unit kind instead

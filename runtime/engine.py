@@ -33,11 +33,12 @@ norms of what the rank keeps and gather every rank's routing records, which stor
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
 from megatrain.ir.model_ir import ModelIR, UnitIR
-from megatrain.ir.program import STAGING_BYTES, Program
+from megatrain.ir.program import STAGING_BYTES, Program, checkpoint_tensors
 from megatrain.ir.trace import DTYPES
 from megatrain.models import (
     ModelConfig,
@@ -46,11 +47,13 @@ from megatrain.models import (
     recompute_mode,
     rope_tables,
     routing,
+    run_unit,
     templates,
     views,
 )
 from megatrain.models.binding import buffer_views, slot_buffers
 from megatrain.models.loss import IGNORE_INDEX
+from megatrain.models.replay import Record, record_attention, replay_attention
 
 from .compiled import runners
 from .device import Device
@@ -81,6 +84,9 @@ class Engine:
         names = [u.name for u in ir.units]
         self.next_unit = dict(zip(names, names[1:]))
         self.bufs: dict[str, object] = {}
+        # (unit, mb) -> the attention record of a replaying forward (its kept tensors are the `attn` buffer)
+        self.records: dict[tuple[str, int], Record | None] = {}
+        self.unreplayed: set[str] = set()  # units whose device kernel was not the one traced (_kept)
         self.step_index = 0
         self.lr = 0.0
         self.losses: list[torch.Tensor] = []
@@ -191,9 +197,10 @@ class Engine:
     def alloc(self, i: int, buffer: str) -> None:
         spec = self.program.buffer(buffer)
 
+        tensors = checkpoint_tensors(self.ir, spec)
+
         def run():
-            unit = self.units[spec.unit]
-            self.bufs[buffer] = tuple(self.device.empty(s.shape, DTYPES[s.dtype]) for s in unit.carry_in)
+            self.bufs[buffer] = tuple(self.device.empty(s.shape, DTYPES[s.dtype]) for s in tensors)
             self.device.pool.alloc(buffer, _nbytes(self.bufs[buffer]))
 
         self._submit("compute", i, f"alloc({buffer})", run)
@@ -210,7 +217,8 @@ class Engine:
 
         self._submit("h2d", i, f"load_params({unit}, slot={slot})", run)
 
-    def forward(self, i: int, unit: str, slot: int, mb: int, keep_graph: bool = False, rebuild: bool = False) -> None:
+    def forward(self, i: int, unit: str, slot: int, mb: int, keep_graph: bool = False, rebuild: bool = False,
+                replay: bool = False) -> None:
         logs, scale = self.routing_logs, 1.0 / self.n_tokens
 
         def run():
@@ -225,6 +233,14 @@ class Engine:
                         out, side = self._run(u, self._params(u, slot), self._carry(u, mb), self._inputs(u, mb),
                                               self._buffers(u, slot), record=True)
                     self._put(f"side.{unit}.{mb}", side, _nbytes(side))
+                elif replay:  # also keep the fused attention's outputs, which the backward's recompute replays
+                    rec = Record()
+                    with torch.no_grad(), record_attention(rec):
+                        out = run_unit(self.templates[u.template], self._params(u, slot), self._carry(u, mb),
+                                       self._inputs(u, mb), self._buffers(u, slot))
+                    kept = self._kept(u, rec)
+                    self._put(f"attn.{unit}.{mb}", kept if kept is not None else self._placeholder(u), u.replay_bytes)
+                    self.records[(unit, mb)] = rec if kept is not None else None
                 else:
                     with torch.no_grad():
                         out = self._run(u, self._params(u, slot), self._carry(u, mb), self._inputs(u, mb),
@@ -238,7 +254,7 @@ class Engine:
         self._submit("compute", i, f"forward({unit}, slot={slot}, mb={mb})", run)
 
     def backward(self, i: int, unit: str, slot: int, grad_slot: int, mb: int, accumulate: bool = False,
-                 rebuild: bool = False, norm: bool = False) -> None:
+                 rebuild: bool = False, norm: bool = False, replay: bool = False) -> None:
         scale = 1.0 / self.n_tokens
 
         def run():
@@ -253,11 +269,15 @@ class Engine:
             if saved is not None:
                 params, carry, out = saved
             else:
-                replay = self.routing_logs.get(unit, {}).get(mb)  # the row counts its forward read
-                with routing.step_context(None, scale, replay=replay.counts if replay else None):
+                routed = self.routing_logs.get(unit, {}).get(mb)  # the row counts its forward read
+                with routing.step_context(None, scale, replay=routed.counts if routed else None):
                     # a recompute: route as the forward did (no read from the device), record nothing; its
                     # output is only back-propagated through, so a block skips what no gradient reads
-                    params, carry, out, _ = self._forward_with_graph(u, slot, mb, side, recompute=True)
+                    # the attention outputs the forward recorded, where the checkpoint is now (None: it could not)
+                    rec = self.records.pop((unit, mb)) if replay else None
+                    record = (rec, self.bufs[f"attn.{unit}.{mb}"]) if rec is not None else None
+                    params, carry, out, _ = self._forward_with_graph(u, slot, mb, side, recompute=True,
+                                                                     record=record)
             if u.kind == "head":
                 grad_out = (torch.full((), 1.0 / self.n_tokens, dtype=out[0].dtype, device=out[0].device),)
             else:
@@ -452,9 +472,10 @@ class Engine:
         return StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=self.loss_chunk,
                           chunk_tokens=self.ir.chunk_tokens, **packed)
 
-    def _forward_with_graph(self, u: UnitIR, slot: int, mb: int, side=None, recompute: bool = False):
+    def _forward_with_graph(self, u: UnitIR, slot: int, mb: int, side=None, recompute: bool = False, record=None):
         """Forward with autograd from the unit's checkpoint; returns (params, carry, out, saved bytes).
-        `recompute`: for a backward that reads none of `out`'s values (models/transformer.py BlockUnit)."""
+        `recompute`: for a backward that reads none of `out`'s values (models/transformer.py BlockUnit);
+        `record`: (Record, its kept tensors) the recompute replays attention from (models/replay.py)."""
         params = {n: v.detach().requires_grad_() for n, v in self._params(u, slot).items()}
         buffers = self._buffers(u, slot)
         carry = tuple(c.detach().requires_grad_(c.is_floating_point()) for c in self._carry(u, mb))
@@ -474,8 +495,31 @@ class Engine:
             mode = recompute_mode(u.kind) if recompute else {}
             if side is not None:
                 mode["side"] = side
-            out = self._run(u, params, carry, inputs, buffers, **mode)
+            if record is None:
+                out = self._run(u, params, carry, inputs, buffers, **mode)
+            else:  # eager: a compiled runner would not dispatch the fused call to the mode
+                with replay_attention(*record):
+                    out = run_unit(self.templates[u.template], params, carry, inputs, buffers, **mode)
         return params, carry, out, sum(saved.values())
+
+    def _kept(self, u: UnitIR, rec: Record) -> tuple[torch.Tensor, ...] | None:
+        """The tensors of a forward's attention record, or None where they are not the trace's (UnitIR.replay):
+        a device whose SDPA chose another kernel than the one traced. The backward then recomputes attention,
+        as without replay (same gradients, the time the plan saved not saved), and the run says so once."""
+        got = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in rec.tensors]
+        want = [(tuple(s.shape), s.dtype) for s in u.replay]
+        if got == want:
+            return tuple(rec.tensors)
+        if u.name not in self.unreplayed:
+            self.unreplayed.add(u.name)
+            warnings.warn(f"{u.name}: the device's fused attention ({', '.join(map(str, rec.ops))}) returned "
+                          f"{got} where the plan traced {want}; its backward recomputes attention instead of "
+                          "replaying it", RuntimeWarning, stacklevel=2)
+        return None
+
+    def _placeholder(self, u: UnitIR) -> tuple[torch.Tensor, ...]:
+        """The attention buffer of a forward that could not record: the plan's shapes, nothing in them."""
+        return tuple(self.device.empty(s.shape, DTYPES[s.dtype]) for s in u.replay)
 
     def _write_grads(self, u: UnitIR, grad_slot: int, grads, accumulate: bool) -> None:
         flat = self.bufs[f"grad{grad_slot}"]

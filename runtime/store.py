@@ -52,7 +52,7 @@ import threading
 import torch
 
 from megatrain.ir.model_ir import ModelIR, ParamSlice, UnitIR
-from megatrain.ir.program import STAGING_BYTES, Program
+from megatrain.ir.program import STAGING_BYTES, Program, checkpoint_tensors
 from megatrain.ir.trace import DTYPES as TRACE_DTYPES
 from megatrain.models import ModelConfig, decays, init_into, templates
 from megatrain.models.binding import buffer_views
@@ -146,7 +146,7 @@ class HostStore:
             for i, u in enumerate(ir.units)}
         self.grad_buffers = [bufs[f"hgrad{k}"] for k in range(len(grad_buffer_elems(ir, self._assignment)))]
         self.stage = [bufs[f"stage{k}"] for k in range(2) if f"stage{k}" in bufs]
-        self.host_acts = {name: tuple(bufs[f"host:{name}.{j}"] for j in range(len(self._act_unit(name).carry_in)))
+        self.host_acts = {name: tuple(bufs[f"host:{name}.{j}"] for j in range(len(self._act_tensors(name))))
                           for name in self._offloaded()}
         self.checkpoint_staging = {stream: [bufs[f"ckstage.{stream}.{k}"] for k in range(2)]
                                    for stream in ("d2h", "h2d")} if self._staged() else {}
@@ -188,8 +188,9 @@ class HostStore:
     def _offloaded(self) -> list[str]:
         return sorted({i.buffer for i in self.program.instrs if i.op == "offload_act"}) if self.program else []
 
-    def _act_unit(self, name: str) -> UnitIR:
-        return self.ir.unit(self.program.buffer(name).unit)
+    def _act_tensors(self, name: str) -> tuple:
+        """The tensor specs of offloaded checkpoint buffer `name` (a carry, or an attention record)."""
+        return checkpoint_tensors(self.ir, self.program.buffer(name))
 
     def _buffers(self) -> list[HostBuffer]:
         """Every host buffer of the run: what planner/host_policy.py `host_layout` counts."""
@@ -214,7 +215,7 @@ class HostStore:
             out += [HostBuffer(f"stage{k}", "transfer_staging", (staging_elems(self.ir),), self.compute_dtype,
                                pinned=True) for k in range(2)]
         for name in self._offloaded():
-            carry = self._act_unit(name).carry_in
+            carry = self._act_tensors(name)
             pinned = not staged([t.nbytes for t in carry])  # a long one crosses through the staging buffers
             for j, t in enumerate(carry):
                 out.append(HostBuffer(f"host:{name}.{j}", "checkpoints", t.shape, getattr(torch, t.dtype),
@@ -225,7 +226,7 @@ class HostStore:
         return out
 
     def _staged(self) -> bool:
-        return any(staged([t.nbytes for t in self._act_unit(n).carry_in]) for n in self._offloaded())
+        return any(staged([t.nbytes for t in self._act_tensors(n)]) for n in self._offloaded())
 
     def host_bytes(self) -> int:
         """Every host byte this store allocated (HostArena.allocated_bytes)."""

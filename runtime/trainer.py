@@ -286,6 +286,8 @@ class Trainer:
         if the_plan is None:
             ir = trace(self.config, train.micro_batch, train.seq_len, train.dtype, loss_chunk=loss_chunk,
                        target="cpu" if self.device.kind == "sim" else "cuda", packed=self.pack)
+            if self.compile_units:  # a compiled unit's fused attention is not replayable (models/replay.py)
+                ir = ir.without_replay()
             self.hardware = self._profiled(ir, loss_chunk)
             barrier = self.on_nan == "skip" and train.clip_norm is None
             # NOTE: clip_norm here only shapes the program (a clip_grads barrier before the host optimizer);

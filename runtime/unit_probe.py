@@ -162,6 +162,10 @@ def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, obj
            *free(*([dc] if u.kind != "embed" else [])),
            ("norm_backward", lambda: e.backward(0, name, 0, 0, 0, norm=True)),
            *free(*([dc] if u.kind != "embed" else []))]
+    if u.replay and carry:  # a forward keeping its attention record, and the backward replaying it
+        ops += [("forward_replay_s", lambda: e.forward(0, name, 0, 0, replay=True)), *free(nxt),
+                ("replay_backward_s", lambda: e.backward(0, name, 0, 0, 0, replay=True)),
+                *free(dc, f"attn.{name}.0")]
     if getattr(e.templates[u.template], "can_rebuild", False) and carry and out_carry:
         ops += [("forward_rebuild_s", lambda: e.forward(0, name, 0, 0, rebuild=True)), *free(cin),
                 ("rebuild_backward_s", lambda: e.backward(0, name, 0, 0, 0, rebuild=True)),
@@ -355,7 +359,8 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
             forward_s=med["forward_s"], forward_graph_s=med["forward_graph_s"], backward_s=med["backward_s"],
             forward_warm_s=med["forward_warm_s"], recompute_backward_warm_s=med["recompute_backward_warm_s"],
             recompute_backward_s=med["recompute_backward_s"], forward_rebuild_s=med.get("forward_rebuild_s"),
-            rebuild_backward_s=med.get("rebuild_backward_s"),
+            rebuild_backward_s=med.get("rebuild_backward_s"), forward_replay_s=med.get("forward_replay_s"),
+            replay_backward_s=med.get("replay_backward_s"),
             norm_s=max(0.0, med["norm_backward"] - med["recompute_backward_s"]),
             load_s=med["load_s"], store_s=med["store_s"], offload_s=med.get("offload_s", 0.0),
             reload_s=med.get("reload_s", 0.0),

@@ -18,7 +18,8 @@ def test_llama3_70b_on_h100_fits_and_respects_physics(ir70):
     p = plan(ir70, hw, TRAIN_8K, "80GiB")
     assert p.feasible and p.peak_gpu_bytes <= 80 * 2**30
     params = ir70.params_total
-    host_ckpt = sum(u.carry_in_bytes for u in ir70.units if p.placement[u.name] == "host")
+    host_ckpt = sum(u.carry_in_bytes + (u.replay_bytes if pu.replay else 0)
+                    for u, pu in zip(ir70.units, p.units) if p.placement[u.name] == "host")
     assert p.host_breakdown["checkpoints"] == host_ckpt
     # the exact host policy: 12 B/param of fp32 master and moments (untied, no padding), no transfer copy; the
     # gradients only of units still waiting for their step, each buffer at the fp32 size of its largest unit:

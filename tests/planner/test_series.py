@@ -19,7 +19,7 @@ from megatrain.planner.timeline import program_timeline
 
 LANE_BUSY = {"compute": "compute", "h2d": "h2d", "d2h": "d2h", "host": "host_optimizer"}
 KINDS = {"param_slot": {"param_slot"}, "grad_slot": {"grad_slot"}, "static": {"resident", "batch", "loss"},
-         "checkpoint": {"carry", "saved"}, "grad_carry": {"grad_carry"}}  # ir/program.py's kinds, by band
+         "checkpoint": {"carry", "saved", "attention"}, "grad_carry": {"grad_carry"}}  # ir/program.py's kinds, by band
 
 
 @pytest.fixture(scope="module")

@@ -16,14 +16,22 @@ MIB = 2**20
 
 
 def shape_of(p) -> tuple[int, frozenset]:
-    return p.n_slots, frozenset(p.placement.values())
+    """(slots, the checkpoint states used: a placement, "+replay" where the unit replays its attention)."""
+    return p.n_slots, frozenset(u.placement + ("+replay" if u.replay else "") for u in p.units)
+
+
+def placements_of(plans) -> set[str]:
+    """The checkpoint placements a sweep of plans_by_shape used, with or without attention replay."""
+    return {state.removesuffix("+replay") for _, states in plans for state in states}
 
 
 def plans_by_shape(config, train: TrainSpec, budgets_mib=(3, 4, 5, 5.25, 5.5, 5.75, 6, 7, 8, 10, 12, 16, 24, 64),
-                   target="cpu", packed=False, host_policy="auto"):
+                   target="cpu", packed=False, host_policy="auto", replay=True):
     """{(n_slots, placements used): plan} over a sweep of budgets, smallest budget first.
-    target "cpu" for the sim device (it runs CPU kernels), "cuda" for a GPU; `packed` for packed batches."""
+    target "cpu" for the sim device (it runs CPU kernels), "cuda" for a GPU; `packed` for packed batches;
+    `replay=False`: planned as the Trainer plans compiled units, none replaying attention."""
     ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target=target, packed=packed)
+    ir = ir if replay else ir.without_replay()
     out = {}
     for b in budgets_mib:
         try:

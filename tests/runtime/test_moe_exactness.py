@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from runtime_schedules import make_batches, make_token_files, plans_by_shape, streamed_train
+from runtime_schedules import make_batches, make_token_files, placements_of, plans_by_shape, streamed_train
 
 from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec
@@ -53,7 +53,7 @@ def test_streamed_moe_equals_eager_buffers_included(case):
         metrics.append(eager.routing_metrics())
     buffers = dict(eager.model.named_buffers())
     plans = plans_by_shape(config, train, budgets_mib=(6, 8, 12, 24))  # 6: a 1-slot schedule (traced workspace excludes program buffers)
-    assert {n for n, _ in plans} == {1, 2} and {"device", "host", "keep"} <= set().union(*(pl for _, pl in plans))
+    assert {n for n, _ in plans} == {1, 2} and {"device", "host", "keep"} <= placements_of(plans)
     for p in plans.values():
         store, losses, peak = streamed_train(p, batches, budget=p.peak_buffer_bytes)
         assert losses == eager_losses
