@@ -109,6 +109,33 @@ def test_non_finite_and_overflowing_values_give_the_same_bits(policy):
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_every_stored_fp8_byte_expands_as_torch_does():
+    """All 256 float8_e4m3fn bit patterns (both zeros, subnormals, the largest, both NaNs, negative second
+    moments, which the floor lifts) as stored first and second moments, in the vector body and the scalar
+    tail: each element's weight shows its expansion."""
+    assert host_kernel.available(), host_kernel.why_not()
+    shapes = [(FP8_BLOCK + 3,), (FP8_BLOCK + 3,)]
+    every = (torch.arange(FP8_BLOCK + 3) * 101 % 256).to(torch.uint8)  # 101 is odd: all 256 in the first block
+    ordinary = (every & 0x3F) | 0x08  # normal, positive values
+    runs = []
+    for one_pass in (False, True):
+        gen, params, moments, steps = _state("fp8", shapes, 5)
+        for mom, (m, v) in zip(moments, [(every, ordinary), (ordinary, every)]):
+            mom.exp_avg.view(torch.uint8).copy_(m)
+            mom.exp_avg_sq.view(torch.uint8).copy_(v)
+            mom.avg_scale.copy_(torch.tensor([1e-4, 3e-5]))
+            mom.sq_scale.copy_(torch.tensor([1e-9, 2e-9]))
+        steps = [torch.ones(()) for _ in shapes]
+        grads = [torch.randn(s, generator=gen).to(grad_dtype("fp8")) * 1e-3 for s in shapes]
+        host_state._step("fp8", params, grads, moments, steps, CFG, 3e-3, [True, False], None, one_pass)
+        runs.append(params)
+    for i, (a, b) in enumerate(zip(*runs)):
+        nan = torch.isnan(a)
+        assert torch.equal(nan, torch.isnan(b)) and 0 < int(nan.sum()) < a.numel() // 2, i
+        _assert_same_bits([a[~nan]], [b[~nan]], f"tensor {i}")
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
 @pytest.mark.parametrize("policy", ["exact", "bf16"])
 def test_a_first_moment_weight_of_half_or_more_takes_torchs_other_lerp(policy):
     """beta1 < 0.5: torch computes the lerp as g - (g - m)(1 - w); so must the kernel."""
