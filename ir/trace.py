@@ -403,8 +403,6 @@ class _Runner:
                 sc.chunk if on_scale else chunk, on_scale)
         out["figures"] = untiled.at(self.seq, None) if chunk is None else tiled_m.at(self.seq, chunk)
         out["figures"]["rebuild_bytes"] = out.pop("rebuild", None) if direct else _scaled_side(side_s, sc, self.seq)
-        if not out["replay"]:  # the record's specs carry the unit's own name (UnitIR.replay, set per unit)
-            out["figures"]["peak_bwd_replay_bytes"] = None
         menu = [(None, untiled)] + [(c, tiled_m) for c in options] if options else []
         out["options"] = tuple(ChunkFigures(chunk_tokens=c, **_option(m.at(self.seq, c))) for c, m in menu)
         return out

@@ -66,6 +66,9 @@ class CostModel:
         self.store = [u.flat_numel * gb / hw.d2h_bytes_per_s + hw.copy_latency_s for u in ir.units]
         self.offload = [copy_seconds(u.carry_in_bytes, hw.d2h_bytes_per_s, hw) for u in ir.units]
         self.reload = [copy_seconds(u.carry_in_bytes, hw.h2d_bytes_per_s, hw) for u in ir.units]
+        # a replaying unit's attention record crosses the link with a host checkpoint (models/replay.py)
+        self.offload_replay = [copy_seconds(u.replay_bytes, hw.d2h_bytes_per_s, hw) for u in ir.units]
+        self.reload_replay = [copy_seconds(u.replay_bytes, hw.h2d_bytes_per_s, hw) for u in ir.units]
         per_param = self.policy.traffic
         rates = hw.host_optimizer_bytes_per_s  # a clipped step's measured rate when the profile has one
         rate = rates.get(f"{self.policy.name}+clip" if clip else self.policy.name) or rates.get(

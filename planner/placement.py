@@ -38,7 +38,6 @@ from .bytesize import format_bytes
 from .costs import CostModel
 from .schedule import Decisions, buffer_specs, can_rebuild, grad_slot_bytes, lower_ops, make_order, slot_bytes
 from .timeline import Timeline, walk
-from .transfers import copy_seconds
 
 MAX_REJECTIONS = 6
 
@@ -86,8 +85,8 @@ class _Model:
         self.on = [K * r for r in c.reload]
         # a replaying unit's recompute skips its attention; on host its record crosses the link with it
         self.rsave = [K * x for x in c.replay_saves]
-        self.off_r = [K * copy_seconds(u.replay_bytes, costs.hw.d2h_bytes_per_s, costs.hw) for u in ir.units]
-        self.on_r = [K * copy_seconds(u.replay_bytes, costs.hw.h2d_bytes_per_s, costs.hw) for u in ir.units]
+        self.off_r = [K * o for o in c.offload_replay]
+        self.on_r = [K * r for r in c.reload_replay]
 
     def time(self, S: int, G: int, rec: float, off: float, on: float) -> tuple[float, float]:
         """(predicted step, its GPU-side part)."""

@@ -14,7 +14,6 @@ from megatrain.ir.program import Program, checkpoint_tensors
 
 from .host_policy import HostPolicy, host_layout, resolve
 from .plan import PassRecord, UnitPlan
-from .transfers import copy_seconds
 
 if TYPE_CHECKING:
     from .passes import State
@@ -45,11 +44,12 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
         rep = dec.replays(i)
         ckpt = K * (u.rebuild_bytes if place == "rebuild" else u.carry_in_bytes + (u.saved_bytes if place == "keep" else 0)
                     + (u.replay_bytes if rep else 0))
-        moved = K * copy_seconds(u.replay_bytes, hw.d2h_bytes_per_s, hw) if host and rep else 0.0
-        back = K * copy_seconds(u.replay_bytes, hw.h2d_bytes_per_s, hw) if host and rep else 0.0
+        moved = K * costs.offload_replay[i] if host and rep else 0.0
+        back = K * costs.reload_replay[i] if host and rep else 0.0
         units.append(UnitPlan(
             name=u.name, kind=u.kind, params=u.n_params, placement=place, replay=rep, slot=order.slot[i],
-            grad_slot=order.grad_slot[i], resident=resident, checkpoint_bytes=ckpt, forward_s=K * costs.fwd[i],
+            grad_slot=order.grad_slot[i], resident=resident, checkpoint_bytes=ckpt,
+            forward_s=K * (costs.fwd_replay[i] if rep else costs.fwd[i]),
             backward_s=K * costs.backward(i, place == "keep", place == "rebuild", rep),
             h2d_s=costs.load[i] * (1 if resident else 2) + (K * costs.reload[i] if host else 0.0) + back,
             d2h_s=costs.store[i] + (K * costs.offload[i] if host else 0.0) + moved, optimizer_s=costs.opt[i]))

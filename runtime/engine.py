@@ -195,9 +195,7 @@ class Engine:
 
     # -- instructions ---------------------------------------------------------------------------------------
     def alloc(self, i: int, buffer: str) -> None:
-        spec = self.program.buffer(buffer)
-
-        tensors = checkpoint_tensors(self.ir, spec)
+        tensors = checkpoint_tensors(self.ir, self.program.buffer(buffer))
 
         def run():
             self.bufs[buffer] = tuple(self.device.empty(s.shape, DTYPES[s.dtype]) for s in tensors)
