@@ -36,8 +36,8 @@ from megatrain.files import cache_root, check_cache_writable, read_json, write_a
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
-PROFILE_VERSION = 4  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
-# 4: attention replay's forward and backward
+PROFILE_VERSION = 5  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
+# 4: attention replay's forward and backward; 5: kept graphs timed among others (unit_probe.RING_BYTES)
 MAX_PROFILE_BYTES = 4 << 20
 
 

@@ -94,3 +94,36 @@ def test_the_host_optimizer_rates_are_measured_on_the_threads_training_gives_it(
     rates = probe_module.policy_rates(1024, 1, threads=1)
     assert set(seen) == {1} and torch.get_num_threads() == own
     assert set(rates) == {k for n in probe_module.ADAMW_BYTES for k in (n, f"{n}+clip")}
+
+
+def test_kept_graphs_are_timed_as_a_pass_and_the_round_leaves_the_device_as_it_found_it():
+    """On the sim device the kept-graph forward and backward run as a run's pass does: `graphs` forwards in a
+    row, each graph held alive (PASS_BYTES of them, at least one), then their backwards in reverse; every one
+    is a timed sample, and after the round only what was live before it is."""
+    from megatrain.runtime.device import make_device
+    from megatrain.runtime.unit_probe import NEXT, PASS_BYTES, PASS_MAX, ProbeEngine, _ops, _run_op
+
+    ir = trace(preset("tiny"), 2, 32, "fp32", target="cpu")
+    block = ir.units[1]
+    device = make_device("sim", None)
+    try:
+        e = ProbeEngine(ir, block, device, "exact", SPEC, 1024)
+        e.stores = {"exact": e.store}
+        e.put_carry()
+        device.synchronize()
+        assert e.graphs == min(PASS_MAX, -(-PASS_BYTES // block.saved_bytes)) and e.graphs > 1
+        before = device.pool.live()
+        e.timeline, e._t0, e._t0_event = [], 0.0, None
+        ops = _ops(e, ["exact"], clip=False)
+        kinds = [what for what, _ in ops]
+        assert kinds.count("forward_graph_s") == kinds.count("backward_s") == e.graphs
+        most = 0
+        for what, submit in ops:
+            _run_op(e, what, submit)
+            held = [n for n in device.pool.live() if n.startswith("probe.held.")]
+            most = max(most, len(held) + (f"saved.{block.name}.0" in device.pool))
+        assert most == e.graphs  # all alive at once before the first backward
+        assert device.pool.live() == before and not e.held and f"carry.{NEXT}.0" not in e.bufs
+        e.store.close()
+    finally:
+        device.close()
