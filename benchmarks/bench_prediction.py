@@ -7,8 +7,9 @@ $MEGATRAIN_PROFILES when set), plans with that profile, and measures the steady 
 program: the time between the final states (host optimizer done) of consecutive steps, median over the
 steps after a warm-up. Each case runs in a process of its own (`--worker`), as a user runs one Trainer: with
 all ten Trainers in one process, `small`'s steps measured 1.12-1.13 of their prediction where the small cases
-alone measured 1.05-1.08 (cause not isolated: fifty stream threads in one process). The cases' rounds are interleaved round-robin, so each ratio is taken under the same
-machine load; the cases probe one after another, before the rounds.
+alone measured 1.05-1.08 (cause not isolated: fifty stream threads in one process). The cases' rounds are
+interleaved round-robin, so each ratio is taken under the same machine load; the cases probe one after
+another, before the rounds.
 Prints a markdown table: predicted ms, measured median ms, measured/predicted, and the spread (min-max of
 per-round ratios over rounds of `--steps` steps).
 

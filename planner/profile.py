@@ -37,7 +37,7 @@ from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
 PROFILE_VERSION = 5  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
-# 4: attention replay's forward and backward; 5: kept graphs timed among others (unit_probe.RING_BYTES)
+# 4: attention replay's forward and backward; 5: kept graphs timed as a pass (unit_probe.PASS_BYTES)
 MAX_PROFILE_BYTES = 4 << 20
 
 

@@ -137,17 +137,15 @@ class ProbeEngine(Engine):
         self.load_params(0, unit.name, 0)  # real weights in the slot (the store's random init)
         device.synchronize()
         self.graphs = 1 if device.kind != "sim" or not unit.saved_bytes else min(
-            PASS_MAX, max(1, -(-PASS_BYTES // unit.saved_bytes)))
-        self.held: list[tuple[str, object]] = []
+            PASS_MAX, -(-PASS_BYTES // unit.saved_bytes))
+        self.held: list[tuple[str, object]] = []  # graphs set aside: (pool name, value)
 
     def hold(self) -> None:
         """Set the unit's kept graph aside (alive, counted in the pool) for the next forward to make another."""
         def run():
-            name = f"saved.{self.unit.name}.0"
             held = f"probe.held.{self.unit.name}.{len(self.held)}"
-            self.device.pool.alloc(held, self.device.pool.live()[name])
-            self.device.pool.free(name)
-            self.held.append((held, self.bufs.pop(name)))
+            self._rename(f"saved.{self.unit.name}.0", held)
+            self.held.append((held, self.bufs.pop(f"saved.{self.unit.name}.0")))
 
         self.device.submit("compute", run, "probe hold")
 
@@ -155,11 +153,16 @@ class ProbeEngine(Engine):
         """The graph held last is the unit's kept graph again, for the next backward."""
         def run():
             held, value = self.held.pop()
-            nbytes = self.device.pool.live()[held]
-            self.device.pool.free(held)
-            self._put(f"saved.{self.unit.name}.0", value, nbytes)
+            self._rename(held, f"saved.{self.unit.name}.0")
+            self.bufs[f"saved.{self.unit.name}.0"] = value
 
         self.device.submit("compute", run, "probe unhold")
+
+    def _rename(self, old: str, new: str) -> None:
+        """The pool's count of buffer `old` under the name `new`."""
+        nbytes = self.device.pool.live()[old]
+        self.device.pool.free(old)
+        self.device.pool.alloc(new, nbytes)
 
     def _random(self, shape, dtype: str, gen) -> torch.Tensor:
         return torch.randn(shape, generator=gen).to(DTYPES[dtype]).to(self.device.torch_device)
@@ -174,7 +177,7 @@ class ProbeEngine(Engine):
 
 def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, object]]:
     """(what, submit) of one round of a unit's ops, in an order that leaves the buffers as it found them;
-    'free' and 'hold' ops are timed too but not reported."""
+    'free', 'hold' and 'unhold' ops are timed too but not reported."""
     u, name, carry = e.unit, e.unit.name, bool(e.unit.carry_in)
     cin, nxt, dc = f"carry.{name}.0", f"carry.{NEXT}.0", f"dcarry.{name}.0"
     out_carry = u.kind != "head"
@@ -188,7 +191,7 @@ def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, obj
                ("forward_graph_s", lambda: e.forward(0, name, 0, 0, keep_graph=True)),
                *free(*([nxt] if out_carry else [])), *([("hold", e.hold)] if k < e.graphs - 1 else []))],
            *[op for k in range(e.graphs) for op in (
-               *([("hold", e.unhold)] if k else []), ("backward_s", lambda: e.backward(0, name, 0, 0, 0)),
+               *([("unhold", e.unhold)] if k else []), ("backward_s", lambda: e.backward(0, name, 0, 0, 0)),
                *free(f"saved.{name}.0", *([dc] if u.kind != "embed" else [])))],
            ("recompute_backward_s", lambda: e.backward(0, name, 0, 0, 0)),
            *free(*([dc] if u.kind != "embed" else [])),
