@@ -115,24 +115,46 @@ static inline float scaled(float g, int mode, float factor) {
     return mode == 2 ? g / factor : g * factor;
 }
 
+/* Software prefetch, AHEAD elements in front of the loop, CHUNK elements at a time. The update's divisions
+ * and square root hold the loads behind them in the core's window, so one core alone keeps too few cache misses
+ * in flight to stream at the memory's rate: on 12M elements (out of cache, 1 thread, 2-core Xeon VM) the bf16
+ * policy's loop took 1.02-1.08 ns per element without and 0.92-0.97 with, the fp8 policy's 1.83-1.98 and
+ * 1.62-1.70, bf16 moments with fp32 gradients 1.15-1.22 and 1.08-1.16 (six interleaved runs each; 512-2048
+ * ahead all helped, 1024 best). The loops over fp32 moments (22 and 28 B per element) were slower with it
+ * (bf16 gradients 1.10-1.16 -> 1.21-1.26) and run without. Prefetching changes no result. */
+#define AHEAD 1024
+#define CHUNK 256
+#define PREFETCH(PTR, FROM, TO, RW)                                                                         \
+    for (int64_t j_ = (FROM); j_ < (TO); j_ += 64 / (int64_t)sizeof(*(PTR)))                                \
+        __builtin_prefetch((PTR) + j_, RW, 3)
+
 /* Elements [FROM, TO) through the element function FN (adam_vec1 or adam_tail1), in place. */
-#define ELEMENTS(FN, FROM, TO, LOADG, LOADM, STOREM)                                                         \
-    for (int64_t i = FROM; i < TO; i++) {                                                                   \
-        float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                           \
-        FN(p + i, scaled(LOADG(g[i]), mode, factor), &mi, &vi, c);                                          \
-        m[i] = STOREM(mi);                                                                                  \
-        v[i] = STOREM(vi);                                                                                  \
+#define ELEMENTS(FN, FROM, TO, LOADG, LOADM, STOREM, PF)                                                     \
+    for (int64_t i0 = FROM; i0 < TO; i0 += CHUNK) {                                                         \
+        const int64_t i1 = i0 + CHUNK < TO ? i0 + CHUNK : TO, f0 = i0 + AHEAD, f1 = i1 + AHEAD < TO ? i1 + AHEAD : TO; \
+        if (PF) {                                                                                           \
+            PREFETCH(p, f0, f1, 1);                                                                         \
+            PREFETCH(g, f0, f1, 0);                                                                         \
+            PREFETCH(m, f0, f1, 1);                                                                         \
+            PREFETCH(v, f0, f1, 1);                                                                         \
+        }                                                                                                   \
+        for (int64_t i = i0; i < i1; i++) {                                                                 \
+            float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                       \
+            FN(p + i, scaled(LOADG(g[i]), mode, factor), &mi, &vi, c);                                      \
+            m[i] = STOREM(mi);                                                                              \
+            v[i] = STOREM(vi);                                                                              \
+        }                                                                                                   \
     }
 
 /* fp32 or bf16 moments, fp32 or bf16 gradients: one loop over [a, b), all in place. The loop body is inlined
  * with the gradient scale's operation as a constant (INLINE + SPECIALISE). */
 #define INLINE static inline __attribute__((always_inline))
-#define LOOP(NAME, GT, LOADG, MT, LOADM, STOREM)                                                             \
+#define LOOP(NAME, GT, LOADG, MT, LOADM, STOREM, PF)                                                         \
     INLINE void NAME##_body(float *restrict p, const GT *restrict g, MT *restrict m, MT *restrict v,        \
                             int64_t a, int64_t b, int64_t nvec, const Coef *c, int mode, float factor) {    \
         int64_t split = nvec < a ? a : nvec > b ? b : nvec;                                                 \
-        ELEMENTS(adam_vec1, a, split, LOADG, LOADM, STOREM)                                                 \
-        ELEMENTS(adam_tail1, split, b, LOADG, LOADM, STOREM)                                                \
+        ELEMENTS(adam_vec1, a, split, LOADG, LOADM, STOREM, PF)                                             \
+        ELEMENTS(adam_tail1, split, b, LOADG, LOADM, STOREM, PF)                                            \
     }                                                                                                       \
     static void NAME(float *p, const GT *g, MT *m, MT *v, int64_t a, int64_t b, int64_t nvec, const Coef *c, \
                      int mode, float f) {                                                                   \
@@ -146,10 +168,10 @@ static inline float scaled(float g, int mode, float factor) {
         BODY(__VA_ARGS__, 1, mode == 1 ? f : 1.0f);
 
 #define SAME(x) (x)
-LOOP(loop_f32_f32, float, SAME, float, SAME, SAME)
-LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, SAME)
-LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16)
-LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16)
+LOOP(loop_f32_f32, float, SAME, float, SAME, SAME, 0)
+LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, SAME, 0)
+LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16, 1)
+LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16, 1)
 
 /* f32_to_fp8 of a finite y, clamped to +-448 first: the magnitude is clamped as an integer (finite floats'
  * magnitudes order as their bits do), so nothing saturates or is NaN, and the rounding is c10's normal or
@@ -214,6 +236,14 @@ INLINE void loop_fp8_body(int grad_bf16, float *p, const void *grad, uint8_t *m,
         const int nv = nvec <= a ? 0 : nvec >= a + n ? n : (int)(nvec - a);
         const float ms = m_scale[a / BLOCK], vs = v_scale[a / BLOCK], tiny = vs * 0x1p-9f;
         uint32_t top_m = 0, top_v = 0;
+        const int64_t f0 = a + AHEAD, f1 = a + AHEAD + BLOCK < end ? a + AHEAD + BLOCK : end;
+        PREFETCH(p, f0, f1, 1);
+        PREFETCH(m, f0, f1, 1);
+        PREFETCH(v, f0, f1, 1);
+        if (grad_bf16)
+            PREFETCH((const uint16_t *)grad, f0, f1, 0);
+        else
+            PREFETCH((const float *)grad, f0, f1, 0);
         FP8_ELEMENTS(adam_vec1, 0, nv)
         FP8_ELEMENTS(adam_tail1, nv, n)
         store_fp8(mf, n, from_bits(top_m), m + a, m_scale + a / BLOCK);
