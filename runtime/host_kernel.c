@@ -20,8 +20,7 @@
 
 typedef struct {
     double lr, beta1, beta2, weight_decay, eps, step; /* step: the count after this update (1-based) */
-    int32_t grad_mode;                                 /* 0: g as stored, 1: g * factor, 2: g / factor */
-    float factor;
+    float factor;                                      /* the gradient times it (1: as stored; g * 1.0f is g) */
     int32_t grad_bf16;   /* gradients stored as bf16 (else fp32) */
     int32_t moments;     /* 0: fp32, 1: bf16, 2: fp8 e4m3fn with per-BLOCK fp32 scales */
 } Hyper;
@@ -110,11 +109,6 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
     *p = pi - c->step_size * mi / (sqrtf(vi) / c->bc2_sqrt + c->eps);
 }
 
-/* the gradient times (mode 1) or over (mode 2) the factor; no scaling is mode 1 with factor 1 (g * 1.0f is g) */
-static inline float scaled(float g, int mode, float factor) {
-    return mode == 2 ? g / factor : g * factor;
-}
-
 /* Software prefetch, AHEAD elements in front of the loop, CHUNK elements at a time. The update's divisions
  * and square root hold the loads behind them in the core's window, so one core alone keeps too few cache misses
  * in flight to stream at the memory's rate: on 12M elements (out of cache, 1 thread, 2-core Xeon VM) the bf16
@@ -140,32 +134,20 @@ static inline float scaled(float g, int mode, float factor) {
         }                                                                                                   \
         for (int64_t i = i0; i < i1; i++) {                                                                 \
             float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                       \
-            FN(p + i, scaled(LOADG(g[i]), mode, factor), &mi, &vi, c);                                      \
+            FN(p + i, LOADG(g[i]) * factor, &mi, &vi, c);                                                   \
             m[i] = STOREM(mi);                                                                              \
             v[i] = STOREM(vi);                                                                              \
         }                                                                                                   \
     }
 
-/* fp32 or bf16 moments, fp32 or bf16 gradients: one loop over [a, b), all in place. The loop body is inlined
- * with the gradient scale's operation as a constant (INLINE + SPECIALISE). */
-#define INLINE static inline __attribute__((always_inline))
+/* fp32 or bf16 moments, fp32 or bf16 gradients (PF: prefetch or not): one loop over [a, b), all in place. */
 #define LOOP(NAME, GT, LOADG, MT, LOADM, STOREM, PF)                                                         \
-    INLINE void NAME##_body(float *restrict p, const GT *restrict g, MT *restrict m, MT *restrict v,        \
-                            int64_t a, int64_t b, int64_t nvec, const Coef *c, int mode, float factor) {    \
+    static void NAME(float *restrict p, const GT *restrict g, MT *restrict m, MT *restrict v, int64_t a,    \
+                     int64_t b, int64_t nvec, const Coef *c, float factor) {                                \
         int64_t split = nvec < a ? a : nvec > b ? b : nvec;                                                 \
         ELEMENTS(adam_vec1, a, split, LOADG, LOADM, STOREM, PF)                                             \
         ELEMENTS(adam_tail1, split, b, LOADG, LOADM, STOREM, PF)                                            \
-    }                                                                                                       \
-    static void NAME(float *p, const GT *g, MT *m, MT *v, int64_t a, int64_t b, int64_t nvec, const Coef *c, \
-                     int mode, float f) {                                                                   \
-        SPECIALISE(NAME##_body, p, g, m, v, a, b, nvec, c)                                                  \
     }
-/* the multiplying and the dividing gradient scale as two compiled loops */
-#define SPECIALISE(BODY, ...)                                                                               \
-    if (mode == 2)                                                                                          \
-        BODY(__VA_ARGS__, 2, f);                                                                            \
-    else                                                                                                    \
-        BODY(__VA_ARGS__, 1, mode == 1 ? f : 1.0f);
 
 #define SAME(x) (x)
 LOOP(loop_f32_f32, float, SAME, float, SAME, SAME, 0)
@@ -220,15 +202,15 @@ static void store_fp8(const float *x, int n, float amax, uint8_t *q, float *scal
                                    : ((const float *)grad)[a + i];                                          \
         const float x = fp8_to_f32(v[a + i]) * vs;                                                          \
         float mi = fp8_to_f32(m[a + i]) * ms, vi = x < tiny ? tiny : x;                                     \
-        FN(p + a + i, scaled(gi, mode, factor), &mi, &vi, c);                                               \
+        FN(p + a + i, gi * factor, &mi, &vi, c);                                                            \
         mf[i] = mi;                                                                                         \
         vf[i] = vi;                                                                                         \
         TOP_ABS(top_m, mi);                                                                                 \
         TOP_ABS(top_v, vi);                                                                                 \
     }
-INLINE void loop_fp8_body(int grad_bf16, float *p, const void *grad, uint8_t *m, uint8_t *v, float *m_scale,
-                          float *v_scale, int64_t begin, int64_t end, int64_t nvec, const Coef *cc, int mode,
-                          float factor) {
+static inline __attribute__((always_inline)) void loop_fp8_body(
+    int grad_bf16, float *p, const void *grad, uint8_t *m, uint8_t *v, float *m_scale, float *v_scale,
+    int64_t begin, int64_t end, int64_t nvec, const Coef *cc, float factor) {
     const Coef *c = cc;
     float mf[BLOCK], vf[BLOCK];
     for (int64_t a = begin; a < end; a += BLOCK) {
@@ -252,8 +234,8 @@ INLINE void loop_fp8_body(int grad_bf16, float *p, const void *grad, uint8_t *m,
 }
 #define FP8_LOOP(NAME, GB)                                                                                  \
     static void NAME(float *p, const void *g, uint8_t *m, uint8_t *v, float *ms, float *vs, int64_t a,      \
-                     int64_t b, int64_t nvec, const Coef *c, int mode, float f) {                           \
-        SPECIALISE(loop_fp8_body, GB, p, g, m, v, ms, vs, a, b, nvec, c)                                    \
+                     int64_t b, int64_t nvec, const Coef *c, float f) {                                     \
+        loop_fp8_body(GB, p, g, m, v, ms, vs, a, b, nvec, c, f);                                            \
     }
 FP8_LOOP(loop_fp8_f32, 0)
 FP8_LOOP(loop_fp8_bf16, 1)
@@ -264,18 +246,17 @@ FP8_LOOP(loop_fp8_bf16, 1)
 void mt_adamw(float *param, const void *grad, void *exp_avg, void *exp_avg_sq, float *avg_scale,
               float *sq_scale, int64_t begin, int64_t end, int64_t nvec, const Hyper *h) {
     const Coef c = coefficients(h);
-    const int mode = h->grad_mode;
     const float f = h->factor;
     if (h->moments == 2 && h->grad_bf16)
-        loop_fp8_bf16(param, grad, exp_avg, exp_avg_sq, avg_scale, sq_scale, begin, end, nvec, &c, mode, f);
+        loop_fp8_bf16(param, grad, exp_avg, exp_avg_sq, avg_scale, sq_scale, begin, end, nvec, &c, f);
     else if (h->moments == 2)
-        loop_fp8_f32(param, grad, exp_avg, exp_avg_sq, avg_scale, sq_scale, begin, end, nvec, &c, mode, f);
+        loop_fp8_f32(param, grad, exp_avg, exp_avg_sq, avg_scale, sq_scale, begin, end, nvec, &c, f);
     else if (h->moments == 1 && h->grad_bf16)
-        loop_bf16_bf16(param, grad, exp_avg, exp_avg_sq, begin, end, nvec, &c, mode, f);
+        loop_bf16_bf16(param, grad, exp_avg, exp_avg_sq, begin, end, nvec, &c, f);
     else if (h->moments == 1)
-        loop_f32_bf16(param, grad, exp_avg, exp_avg_sq, begin, end, nvec, &c, mode, f);
+        loop_f32_bf16(param, grad, exp_avg, exp_avg_sq, begin, end, nvec, &c, f);
     else if (h->grad_bf16)
-        loop_bf16_f32(param, grad, exp_avg, exp_avg_sq, begin, end, nvec, &c, mode, f);
+        loop_bf16_f32(param, grad, exp_avg, exp_avg_sq, begin, end, nvec, &c, f);
     else
-        loop_f32_f32(param, grad, exp_avg, exp_avg_sq, begin, end, nvec, &c, mode, f);
+        loop_f32_f32(param, grad, exp_avg, exp_avg_sq, begin, end, nvec, &c, f);
 }

@@ -57,7 +57,7 @@ OTHER_LANES = (16, 4, 8, 1)
 class Hyper(ctypes.Structure):
     _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
                 ("weight_decay", ctypes.c_double), ("eps", ctypes.c_double), ("step", ctypes.c_double),
-                ("grad_mode", ctypes.c_int32), ("factor", ctypes.c_float), ("grad_bf16", ctypes.c_int32),
+                ("factor", ctypes.c_float), ("grad_bf16", ctypes.c_int32),
                 ("moments", ctypes.c_int32)]
 
 
@@ -181,16 +181,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
          avg_scale: torch.Tensor | None, sq_scale: torch.Tensor | None, *, lr: float, betas: tuple[float, float],
-         weight_decay: float, eps: float, step: float, grad_mode: int = 0, factor: float = 1.0) -> None:
+         weight_decay: float, eps: float, step: float, factor: float = 1.0) -> None:
     """One AdamW update of the contiguous fp32 `param` in place (torch's fused kernel's bits) from `grad` (fp32
-    or bf16) times (grad_mode 1) or over (2) `factor`, and moments of any of MOMENTS' dtypes (fp8: with their
+    or bf16) times `factor` (the clip factor; 1: unclipped), and moments of any of MOMENTS' dtypes (fp8: with their
     per-block scales); `step` is the count after the update."""
     lib, n = _state["lib"], param.numel()
     for t in (param, grad, exp_avg, exp_avg_sq):
         assert t.is_contiguous() and t.device.type == "cpu" and t.numel() == n
     assert param.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16)
     assert exp_avg.dtype == exp_avg_sq.dtype and (exp_avg.dtype != torch.float8_e4m3fn or avg_scale is not None)
-    hyper = Hyper(lr, betas[0], betas[1], weight_decay, eps, step, grad_mode, factor,
+    hyper = Hyper(lr, betas[0], betas[1], weight_decay, eps, step, factor,
                   int(grad.dtype == torch.bfloat16), MOMENTS[exp_avg.dtype])
     args = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _ptr(avg_scale),
             _ptr(sq_scale))

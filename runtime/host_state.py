@@ -14,11 +14,11 @@ rounds back, the clip factor applied as below. Otherwise the same update runs as
   gradient is multiplied by c into a cache-sized scratch chunk by chunk (g * c, the rounding clip_grad_norm_'s
   in-place multiply has) and the fused kernel runs on the chunk: no extra pass over the gradients. With c = 1
   (clip_grad_norm_ then multiplies by exactly 1.0) nothing is multiplied. NOTE: torch's `grad_scale` input
-  divides (g / s), which rounds differently from g * c, so exact does not fold the factor there; measured in
+  divides (g / s), which rounds differently from g * c, so no policy folds the factor there; measured in
   tests/runtime/test_host_policy.py.
 - compressed policies: per parameter, in STEP_CHUNK-element chunks that stay in cache: the chunk's gradient
-  (upcast from bf16 if held so) and moments are expanded to fp32 scratch, the fused kernel updates master and
-  scratch with the clip factor folded in as `grad_scale = 1 / c`, and the moments are rounded back: bf16 by
+  (upcast from bf16 if held so; times c, as exact multiplies, when clipped) and moments are expanded to fp32
+  scratch, the fused kernel updates master and scratch, and the moments are rounded back: bf16 by
   round-to-nearest-even; fp8 as float8_e4m3fn per FP8_BLOCK-element block (blocks start at each parameter's
   first element) with an fp32 scale = block amax / 448. A dequantised second moment is floored at its block's
   least positive step (scale x 2^-9), so a value that underflowed to 0 never divides a non-zero first moment
@@ -139,21 +139,20 @@ def _step(policy, params, grads, moments, steps, cfg, lr, decay, clip, one_pass:
                  [steps[i] for i in idx])
         exact = policy.moments == "float32" and policy.grads == "float32"
         if one_pass and not (exact and clip is None):  # that one is torch's fused kernel alone: as fast
-            _one_pass(exact, *group, cfg, lr, weight_decay, clip)
+            _one_pass(*group, cfg, lr, weight_decay, clip)
         elif exact:
             _exact(*group, cfg, lr, weight_decay, clip)
         else:
             _compressed(policy, *group, cfg, lr, weight_decay, clip)
 
 
-def _one_pass(exact: bool, params, grads, moments, steps, cfg, lr, wd, clip) -> None:
-    # the clip factor as each torch path applies it: exact multiplies (clip_grad_norm_'s g * c), the compressed
-    # policies divide by its fp32 reciprocal (the fused kernel's grad_scale)
-    mode, factor = (0, 1.0) if clip is None else (1, float(clip)) if exact else (2, float(torch.reciprocal(clip)))
+def _one_pass(params, grads, moments, steps, cfg, lr, wd, clip) -> None:
+    # every policy multiplies by the clip factor, as clip_grad_norm_ does (g * 1.0 is g: unclipped is factor 1)
+    factor = 1.0 if clip is None else float(clip)
     for p, g, mom, step in zip(params, grads, moments, steps):
         host_kernel.step(p.view(-1), g.view(-1), mom.exp_avg.view(-1), mom.exp_avg_sq.view(-1), mom.avg_scale,
                          mom.sq_scale, lr=lr, betas=cfg.betas, weight_decay=wd, eps=cfg.eps,
-                         step=float(step) + 1, grad_mode=mode, factor=factor)
+                         step=float(step) + 1, factor=factor)
         step.add_(1)
 
 
@@ -246,17 +245,18 @@ def _exact(params, grads, moments, steps, cfg, lr, wd, clip) -> None:
 def _compressed(policy: HostPolicy, params, grads, moments, steps, cfg, lr, wd, clip) -> None:
     fp8 = policy.moments == "fp8"
     scratch = _Scratch(max(p.numel() for p in params), fp8)
-    inv = None if clip is None else torch.reciprocal(clip)
     for p, g, mom, step in zip(params, grads, moments, steps):
         p, g = p.view(-1), g.view(-1)
         m, v = mom.exp_avg.view(-1), mom.exp_avg_sq.view(-1)
         for a, b in _chunks(p.numel()):
             n = b - a
-            if g.dtype == torch.float32:
+            if g.dtype == torch.float32 and clip is None:
                 gc = g[a:b]
             else:
                 gc = scratch.g[:n]
-                gc.copy_(g[a:b])
+                gc.copy_(g[a:b])  # fp32, then times the factor in fp32 (exact's rounding)
+                if clip is not None:
+                    gc.mul_(clip)
             mc, vc = scratch.m[:n], scratch.v[:n]
             if fp8:
                 blocks = slice(a // FP8_BLOCK, (b + FP8_BLOCK - 1) // FP8_BLOCK)
@@ -265,7 +265,7 @@ def _compressed(policy: HostPolicy, params, grads, moments, steps, cfg, lr, wd, 
             else:
                 mc.copy_(m[a:b])
                 vc.copy_(v[a:b])
-            _fused([p[a:b]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd, grad_scale=inv)
+            _fused([p[a:b]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
             if fp8:
                 _quant(mc, m[a:b], mom.avg_scale[blocks], scratch.work)
                 _quant(vc, v[a:b], mom.sq_scale[blocks], scratch.work)

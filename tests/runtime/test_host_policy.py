@@ -1,5 +1,5 @@
 """Host policies at run time: streamed training under each policy equals eager training under it bit for bit,
-the host bytes allocated equal the plan's, and the pieces (fp8 blocks, the folded clip factor) do what
+the host bytes allocated equal the plan's, and the pieces (fp8 blocks, the clip factor) do what
 runtime/host_state.py says.
 
 The streamed side is the host store on the sim device; the eager side is reference.PolicyAdamW, the same
@@ -34,7 +34,7 @@ def _train(grad_accum, clip, dtype="fp32"):
 @pytest.mark.parametrize("policy", COMPRESSED)
 @pytest.mark.parametrize("grad_accum, clip", [(1, None), (3, 0.05)])
 def test_streamed_equals_eager_under_each_policy(policy, grad_accum, clip):
-    """clip 0.05 clips every step (the factor is < 1), so the folded grad_scale is exercised."""
+    """clip 0.05 clips every step (the factor is < 1), so the clip multiply is exercised."""
     train = _train(grad_accum, clip)
     batches = make_batches(TINY, train, steps=3)
     model, eager_losses = eager_train(TINY, batches, train, host_policy=policy)
@@ -214,6 +214,42 @@ def test_grad_scale_divides_so_exact_keeps_the_multiply():
     params, moms, steps = fresh()
     adamw_step("exact", params, [g.clone()], moms, steps, cfg, 1e-2, clip=c)
     assert torch.equal(params[0], clipped_first)
+
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_clips_as_clip_grad_norm_multiplies(policy, one_pass):
+    """A clipped step under any policy is its unclipped step on the fp32 gradient times the factor, rounded
+    once in fp32 (clip_grad_norm_'s g * c): the policies differ from exact in what they store, not in how they
+    clip. Through host_kernel.c and through torch ops; a bf16-held gradient is upcast before the multiply."""
+    from megatrain.runtime import host_kernel
+
+    if one_pass and not host_kernel.available():
+        pytest.skip(f"host_kernel.c is off here: {host_kernel.why_not()}")
+    cfg = TrainSpec(micro_batch=1, seq_len=8, lr=1e-2)
+    torch.manual_seed(0)
+    shapes = [(3 * FP8_BLOCK + 77,), (64, 33)]
+    p0 = [torch.randn(s) for s in shapes]
+    g = [torch.randn(s).to(host_state.grad_dtype(policy)) for s in shapes]
+    c = torch.tensor(0.37)
+
+    def stepped(grads, clip):
+        params, moms, steps = [p.clone() for p in p0], [new_moments(policy, s) for s in shapes], \
+            [torch.zeros(()) for _ in shapes]
+        for _ in range(2):  # the second step reads moments the first one stored
+            host_state._step(policy, params, [x.clone() for x in grads], moms, steps, cfg, 1e-2, None, clip,
+                             one_pass)
+        return params, moms
+
+    clipped, moms = stepped(g, c)
+    first, moms_first = stepped([x.float() * c for x in g], None)
+    unclipped, _ = stepped(g, None)
+    for a, b, u in zip(clipped, first, unclipped):
+        assert torch.equal(a, b)
+        assert not torch.equal(a, u)  # the factor did something
+    for m, n in zip(moms, moms_first):
+        assert torch.equal(m.exp_avg.float(), n.exp_avg.float()) and torch.equal(m.exp_avg_sq.float(), n.exp_avg_sq.float())
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------------
