@@ -111,27 +111,26 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
 
 /* Software prefetch, AHEAD elements in front of the loop, CHUNK elements at a time. The update's divisions
  * and square root hold the loads behind them in the core's window, so one core alone keeps too few cache misses
- * in flight to stream at the memory's rate: on 12M elements (out of cache, 1 thread, 2-core Xeon VM) the bf16
- * policy's loop took 1.02-1.08 ns per element without and 0.92-0.97 with, the fp8 policy's 1.83-1.98 and
- * 1.62-1.70, bf16 moments with fp32 gradients 1.15-1.22 and 1.08-1.16 (six interleaved runs each; 512-2048
- * ahead all helped, 1024 best). The loops over fp32 moments (22 and 28 B per element) were slower with it
- * (bf16 gradients 1.10-1.16 -> 1.21-1.26) and run without. Prefetching changes no result. */
-#define AHEAD 1024
-#define CHUNK 256
+ * in flight to stream at the memory's rate. On 12M elements (out of cache, 1 thread, 2-core Xeon VM; a C driver,
+ * four interleaved runs), ns per element without / with: bf16 0.95-1.01 / 0.76-0.83, bf16 moments with fp32
+ * gradients 1.07-1.16 / 0.83-0.89, exact clipped 1.25-1.35 / 1.18-1.22, fp8 1.86-2.13 / 1.57-1.73 (its loop
+ * prefetches a BLOCK at a time; in CHUNKs it measured the same). Prefetching a chunk of 256 at a time gained
+ * half as much, and 512 at a time lost (too many misses issued at once); 512 ahead beat 256 and 1024.
+ * Prefetching changes no result. */
+#define AHEAD 512
+#define CHUNK 64
 #define PREFETCH(PTR, FROM, TO, RW)                                                                         \
     for (int64_t j_ = (FROM); j_ < (TO); j_ += 64 / (int64_t)sizeof(*(PTR)))                                \
         __builtin_prefetch((PTR) + j_, RW, 3)
 
 /* Elements [FROM, TO) through the element function FN (adam_vec1 or adam_tail1), in place. */
-#define ELEMENTS(FN, FROM, TO, LOADG, LOADM, STOREM, PF)                                                     \
+#define ELEMENTS(FN, FROM, TO, LOADG, LOADM, STOREM)                                                         \
     for (int64_t i0 = FROM; i0 < TO; i0 += CHUNK) {                                                         \
         const int64_t i1 = i0 + CHUNK < TO ? i0 + CHUNK : TO, f0 = i0 + AHEAD, f1 = i1 + AHEAD < TO ? i1 + AHEAD : TO; \
-        if (PF) {                                                                                           \
-            PREFETCH(p, f0, f1, 1);                                                                         \
-            PREFETCH(g, f0, f1, 0);                                                                         \
-            PREFETCH(m, f0, f1, 1);                                                                         \
-            PREFETCH(v, f0, f1, 1);                                                                         \
-        }                                                                                                   \
+        PREFETCH(p, f0, f1, 1);                                                                             \
+        PREFETCH(g, f0, f1, 0);                                                                             \
+        PREFETCH(m, f0, f1, 1);                                                                             \
+        PREFETCH(v, f0, f1, 1);                                                                             \
         for (int64_t i = i0; i < i1; i++) {                                                                 \
             float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                       \
             FN(p + i, LOADG(g[i]) * factor, &mi, &vi, c);                                                   \
@@ -140,20 +139,20 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
         }                                                                                                   \
     }
 
-/* fp32 or bf16 moments, fp32 or bf16 gradients (PF: prefetch or not): one loop over [a, b), all in place. */
-#define LOOP(NAME, GT, LOADG, MT, LOADM, STOREM, PF)                                                         \
+/* fp32 or bf16 moments, fp32 or bf16 gradients: one loop over [a, b), all in place. */
+#define LOOP(NAME, GT, LOADG, MT, LOADM, STOREM)                                                             \
     static void NAME(float *restrict p, const GT *restrict g, MT *restrict m, MT *restrict v, int64_t a,    \
                      int64_t b, int64_t nvec, const Coef *c, float factor) {                                \
         int64_t split = nvec < a ? a : nvec > b ? b : nvec;                                                 \
-        ELEMENTS(adam_vec1, a, split, LOADG, LOADM, STOREM, PF)                                             \
-        ELEMENTS(adam_tail1, split, b, LOADG, LOADM, STOREM, PF)                                            \
+        ELEMENTS(adam_vec1, a, split, LOADG, LOADM, STOREM)                                                 \
+        ELEMENTS(adam_tail1, split, b, LOADG, LOADM, STOREM)                                                \
     }
 
 #define SAME(x) (x)
-LOOP(loop_f32_f32, float, SAME, float, SAME, SAME, 0)
-LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, SAME, 0)
-LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16, 1)
-LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16, 1)
+LOOP(loop_f32_f32, float, SAME, float, SAME, SAME)
+LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, SAME)
+LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16)
+LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16)
 
 /* f32_to_fp8 of a finite y, clamped to +-448 first: the magnitude is clamped as an integer (finite floats'
  * magnitudes order as their bits do), so nothing saturates or is NaN, and the rounding is c10's normal or
@@ -197,7 +196,7 @@ static void store_fp8(const float *x, int n, float amax, uint8_t *q, float *scal
  * each block requantised. The second moment's floor max(x, tiny) is `x < tiny ? tiny : x`, NaN kept (it
  * compares false; tiny is NaN only where the scale is, and then x is NaN too), as torch.maximum does. */
 #define FP8_ELEMENTS(FN, FROM, TO)                                                                          \
-    for (int i = FROM; i < TO; i++) {                                                                       \
+    for (int i = (FROM); i < (TO); i++) {                                                                   \
         const float gi = grad_bf16 ? bf16_to_f32(((const uint16_t *)grad)[a + i])                           \
                                    : ((const float *)grad)[a + i];                                          \
         const float x = fp8_to_f32(v[a + i]) * vs;                                                          \
