@@ -93,6 +93,7 @@ def measure(params: int = 24 * 2**20, rounds: int = 5) -> dict:
             # alternate which of a unit's two steps runs first, right after another unit's: with several
             # threads the first step after a torch-ops unit measured 30-40% slower (docs/RESULTS.md)
             for clipped in ((False, True) if r % 2 == 0 else (True, False)):
+                time.sleep(0.01)  # the previous torch op's OpenMP team stops spinning (host_state.step_rate)
                 t = time.perf_counter()
                 unit.step(clip if clipped else None)
                 times[name, clipped].append(time.perf_counter() - t)

@@ -220,6 +220,10 @@ def step_rate(policy: HostPolicy | str, numel: int, repeats: int = 5, clip: bool
     best = float("inf")
     for _ in range(repeats + 1):  # the first round warms up
         flush.add_(1.0)
+        # NOTE: with several threads the flush's OpenMP team spins on its cores for a while after it (libgomp's
+        # wait policy) and would take them from the step's threads: bf16's rate measured 24-25 GB/s right after
+        # the flush against 31-34 GB/s 5-10 ms later (2-core VM, 2 threads), and a run's steps follow steps
+        time.sleep(0.01)
         t = time.perf_counter()
         adamw_step(policy, params, grads, moments, steps, cfg, 1e-4, [True, True, False],
                    torch.tensor(0.5) if clip else None)
