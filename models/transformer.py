@@ -34,6 +34,7 @@ from . import depth
 from .config import ModelConfig
 from .loss import IGNORE_INDEX, chunked_cross_entropy
 from .moe import MoEFFN, reset_buffers
+from .replay import attention_scope
 from .tiled import tiled
 from .unevaluated import unevaluated
 
@@ -213,11 +214,12 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, target: str = "cuda") -> T
     if rep > 1 and not native_gqa(q, target):
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         rep = 1
-    if q.device.type == "meta":
-        if target == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
-        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
+    with attention_scope():  # a unit's attention record or replay (models/replay.py), if one is current
+        if q.device.type == "meta":
+            if target == "cpu":
+                return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+            return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
 
 
 class Attention(nn.Module):
