@@ -259,6 +259,11 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
 
     for k in sorted(fwd_queue):
         load(fwd_queue[k].pop(0))
+    # NOTE: an offloaded attention record is freed after the next forward, not right after its own: freeing
+    # it waits for its copy, which leaves just after the forward that made it, and the compute stream would
+    # idle through that wait (on the 2-core sim device 1.5 ms at each unit's last micro-batch, while the next
+    # unit's load took the other core). One more record is alive during that forward; the timeline counts it.
+    deferred: list[Op] = []
     for p, i in enumerate(order.forward):
         u = units[i]
         keep, rebuild = place[i] == "keep", place[i] == "rebuild"
@@ -276,18 +281,23 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
             ops.append(Op("forward", "compute", unit=u.name, mb=mb, slot=slot[i], keep_graph=keep,
                           rebuild=rebuild, replay=rep[i], reads=reads(i, mb), writes=tuple(writes),
                           workspace_bytes=u.peak_fwd_bytes))
+            ops += deferred
+            deferred = []
             if nxt is not None and place[nxt] == "host" and not compute_only:
                 buf = carry(units[nxt].name, mb)
                 ops.append(Op("offload_act", "d2h", buffer=buf, reads=(buf,), writes=(f"host:{buf}",)))
             if rep[i] and place[i] == "host":  # the record leaves with the checkpoint
                 buf = attn(u.name, mb)
-                if not compute_only:
+                if compute_only:
+                    ops.append(Op("free", "compute", buffer=buf))
+                else:
                     ops.append(Op("offload_act", "d2h", buffer=buf, reads=(buf,), writes=(f"host:{buf}",)))
-                ops.append(Op("free", "compute", buffer=buf))
+                    deferred.append(Op("free", "compute", buffer=buf))
             if u.carry_in and place[i] in ("host", "rebuild"):
                 ops.append(Op("free", "compute", buffer=carry(u.name, mb)))
         if i not in order.resident and fwd_queue[slot[i]]:
             load(fwd_queue[slot[i]].pop(0))
+    ops += deferred
 
     def reload(i: int) -> None:
         u = units[i]
