@@ -90,3 +90,25 @@ def test_units_that_cannot_replay_are_never_planned_to():
     assert any(u.replay for u in able.units)  # the same budget with replay allowed does replay
     bf16 = trace(preset("tiny"), 2, 64, "bf16", target="cuda")
     assert all(bool(u.replay) == (u.kind == "block") for u in bf16.units)
+
+
+@pytest.mark.parametrize("compute_only", [False, True])
+def test_an_offloaded_record_is_freed_a_forward_later(compute_only):
+    """Freeing a record waits for its copy to the host, which leaves just after the forward that made it: the
+    compute stream frees it after the next forward instead, so it never idles on that copy (on the 2-core sim
+    device the copy often started a millisecond late, its core taken by the next unit's load). Without
+    offloads (a compute-only program) there is no copy to wait for and the record goes at once."""
+    ir = trace(preset("tiny"), 2, 64, "fp32", target="cpu")
+    host = tuple("host" if u.carry_in else "device" for u in ir.units)
+    replay = tuple(bool(u.replay) for u in ir.units)
+    assert sum(replay) >= 2
+    ops = lower_ops(ir, make_order(len(ir.units), 3, Decisions(1, 1, host, replay=replay)), host, False,
+                    compute_only=compute_only, replay=replay)
+    forward_pass = ops[:next(k for k, o in enumerate(ops) if o.op == "backward")]
+    compute = [o for o in forward_pass if o.stream == "compute" and o.op in ("forward", "free")]
+    frees = [k for k, o in enumerate(compute) if o.op == "free" and o.buffer.startswith("attn.")]
+    assert len(frees) == 3 * sum(replay)
+    for k in frees:
+        made = max(j for j in range(k) if compute[j].op == "forward" and compute[k].buffer in compute[j].writes)
+        between = sum(o.op == "forward" for o in compute[made + 1:k])
+        assert between == (0 if compute_only else 1), compute[k].buffer
