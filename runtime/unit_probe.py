@@ -62,6 +62,10 @@ NEXT = "probe-next"  # the name of the (absent) unit after the one probed: its c
 # its kernels are not slowed that way: one graph there.
 PASS_BYTES = 64 << 20
 PASS_MAX = 16
+# NOTE: one op beside a busy stream varies by 20-40% between samples on the 2-core test VM (`small`'s block
+# forward: 10.5-18 ms). With 5 rounds and the ratio of medians, four probes in a row of one process gave the
+# compute stream's factor beside h2d as 1.0, 1.0, 1.32 and 1.0; the planner stretched whole steps by it.
+CONTENTION_ROUNDS = 15
 
 
 def device_name(kind: str) -> str:
@@ -264,9 +268,11 @@ def _measure_device(device: Device, n: int = 200) -> tuple[float, float]:
 
 
 def _contention(e: ProbeEngine, policy: str, repeats: int) -> dict[str, dict[str, float]]:
-    """f[s][t]: how much slower an op of stream s runs while stream t is busy than alone (median of
-    interleaved repeats, at least 1). The ops: the unit's forward (compute), its load (h2d), its gradient
-    store (d2h) and its optimizer step (host); the busy stream loops the same kind of work on its own buffers."""
+    """f[s][t]: how much slower an op of stream s runs while stream t is busy than alone (at least 1): the
+    median over CONTENTION_ROUNDS rounds (at least `repeats`) of the ratio of the op's time beside the busy
+    stream to its time alone in the same round. The ops: the unit's forward (compute), its load (h2d), its
+    gradient store (d2h) and its optimizer step (host); the busy stream loops the same kind of work on its own
+    buffers."""
     u, name, dev = e.unit, e.unit.name, e.device
     store = e.stores[policy]
     st = store.units[name]
@@ -293,7 +299,7 @@ def _contention(e: ProbeEngine, policy: str, repeats: int) -> dict[str, dict[str
             "host": lambda: store.step_unit(name, e.lr, e.step_index, st.grad_buffer)}
     cuda = dev.kind == "cuda"
     times: dict[tuple[str, str | None], list[float]] = {}
-    for _ in range(repeats + 1):
+    for _ in range(max(repeats, CONTENTION_ROUNDS) + 1):
         for s in measured:
             for t in (None, *[t for t in busy if t != s]):
                 stop, started = threading.Event(), threading.Event()
@@ -318,8 +324,8 @@ def _contention(e: ProbeEngine, policy: str, repeats: int) -> dict[str, dict[str
                 times.setdefault((s, t), []).append(spans[0][4] - spans[0][3])
     for values in times.values():
         values.pop(0)  # the warm-up round
-    alone = {s: statistics.median(times[(s, None)]) for s in measured}
-    return {s: {t: max(1.0, statistics.median(times[(s, t)]) / alone[s]) for t in busy if t != s} for s in measured}
+    return {s: {t: max(1.0, statistics.median(b / a for a, b in zip(times[(s, None)], times[(s, t)])))
+                for t in busy if t != s} for s in measured}
 
 
 def _measure_gap(e: ProbeEngine, n: int = 20) -> float:
