@@ -35,7 +35,7 @@ from megatrain.planner import probe as probe_module
 from megatrain.planner.host_policy import ORDER, POLICIES
 from megatrain.planner.train import TrainSpec
 from megatrain.runtime import host_kernel
-from megatrain.runtime.host_state import Moments, _step, grad_dtype, new_moments
+from megatrain.runtime.host_state import OMP_SETTLE_S, Moments, _step, grad_dtype, new_moments
 
 CFG = TrainSpec(micro_batch=1, seq_len=8, lr=1e-4, clip_norm=1.0)
 LEGACY_BYTES = 28 + 4 + 8 + 4 + 6
@@ -93,7 +93,7 @@ def measure(params: int = 24 * 2**20, rounds: int = 5) -> dict:
             # alternate which of a unit's two steps runs first, right after another unit's: with several
             # threads the first step after a torch-ops unit measured 30-40% slower (docs/RESULTS.md)
             for clipped in ((False, True) if r % 2 == 0 else (True, False)):
-                time.sleep(0.01)  # the previous torch op's OpenMP team stops spinning (host_state.step_rate)
+                time.sleep(OMP_SETTLE_S)  # the previous torch op's OpenMP team stops spinning
                 t = time.perf_counter()
                 unit.step(clip if clipped else None)
                 times[name, clipped].append(time.perf_counter() - t)

@@ -16,8 +16,9 @@ flash, memory-efficient and cuDNN kernels); a recompute that calls another, or c
 or on other shapes, is refused rather than replayed wrongly. The contexts only make a mode current for this
 thread; the model enters it around each attention call alone (`attention_scope`, models/transformer.py
 causal_attention), so the block's other ops never pass through Python dispatch: over the whole block, every
-op did, and `small`'s streamed step at 56 MiB (2 x 128 tokens, CPU) ran 8% slower with replay than without. Packed micro-batches attend per document with a
-data-dependent number of calls, so only unpacked units replay (ir/trace.py records nothing for them).
+op did, and `small`'s streamed step at 56 MiB (2 x 128 tokens, CPU) ran 8% slower with replay than without.
+Packed micro-batches attend per document with a data-dependent number of calls, so only unpacked units replay
+(ir/trace.py records nothing for them).
 """
 
 from __future__ import annotations

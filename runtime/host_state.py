@@ -43,6 +43,10 @@ from megatrain.planner.train import TrainSpec
 
 from . import host_kernel
 
+# NOTE: with several threads a torch op's OpenMP team spins on its cores for a while after it (libgomp's wait
+# policy) and takes them from a host step timed right after: bf16's rate measured 24-25 GB/s right after a
+# flush against 31-34 GB/s 5-10 ms later (2-core VM, 2 threads). Timed steps wait this long first.
+OMP_SETTLE_S = 0.01
 STEP_CHUNK = 1 << 20  # elements per in-cache pass (4 MiB of fp32 per scratch), a multiple of FP8_BLOCK
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -89,10 +93,10 @@ def new_moments(policy: HostPolicy | str, shape: tuple[int, ...]) -> Moments:
     return m
 
 
-def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, cfg: TrainSpec, lr: float, wd: float, grad_scale=None):
+def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, cfg: TrainSpec, lr: float, wd: float):
     functional_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False,
                      beta1=cfg.betas[0], beta2=cfg.betas[1], lr=lr, weight_decay=wd, eps=cfg.eps,
-                     maximize=False, grad_scale=grad_scale)
+                     maximize=False)
 
 
 class _Scratch:
@@ -220,10 +224,7 @@ def step_rate(policy: HostPolicy | str, numel: int, repeats: int = 5, clip: bool
     best = float("inf")
     for _ in range(repeats + 1):  # the first round warms up
         flush.add_(1.0)
-        # NOTE: with several threads the flush's OpenMP team spins on its cores for a while after it (libgomp's
-        # wait policy) and would take them from the step's threads: bf16's rate measured 24-25 GB/s right after
-        # the flush against 31-34 GB/s 5-10 ms later (2-core VM, 2 threads), and a run's steps follow steps
-        time.sleep(0.01)
+        time.sleep(OMP_SETTLE_S)  # a run's steps follow steps, not a torch op's spinning threads
         t = time.perf_counter()
         adamw_step(policy, params, grads, moments, steps, cfg, 1e-4, [True, True, False],
                    torch.tensor(0.5) if clip else None)

@@ -10,6 +10,7 @@ tests/runtime/test_exactness.py.
 import pytest
 import torch
 from runtime_schedules import make_batches, plans_by_shape, streamed_train
+from torch.optim.adamw import adamw as functional_adamw
 
 from megatrain.ir.trace import trace
 from megatrain.models import ModelConfig, preset
@@ -192,7 +193,7 @@ def test_step_does_not_depend_on_the_chunk_size(policy, monkeypatch):
 
 
 def test_grad_scale_divides_so_exact_keeps_the_multiply():
-    """Why `exact` does not fold the clip factor into the fused kernel's grad_scale: the kernel divides by it,
+    """Why no policy folds the clip factor into the fused kernel's grad_scale: the kernel divides by it,
     and g / (1 / c) rounds differently from clip_grad_norm_'s g * c. What exact does instead, g * c into a
     scratch chunk, is bit-identical to clipping first."""
     cfg = TrainSpec(micro_batch=1, seq_len=8, lr=1e-2)
@@ -208,8 +209,9 @@ def test_grad_scale_divides_so_exact_keeps_the_multiply():
     host_state._fused(params, [g * c], [moms[0].exp_avg], [moms[0].exp_avg_sq], steps, cfg, 1e-2, 0.1)
     clipped_first = params[0]
     params, moms, steps = fresh()
-    host_state._fused(params, [g.clone()], [moms[0].exp_avg], [moms[0].exp_avg_sq], steps, cfg, 1e-2, 0.1,
-                      grad_scale=torch.reciprocal(c))
+    functional_adamw(params, [g.clone()], [moms[0].exp_avg], [moms[0].exp_avg_sq], [], steps, fused=True,
+                     amsgrad=False, beta1=cfg.betas[0], beta2=cfg.betas[1], lr=1e-2, weight_decay=0.1, eps=cfg.eps,
+                     maximize=False, grad_scale=torch.reciprocal(c))
     assert not torch.equal(params[0], clipped_first)  # folding changes the rounding
     params, moms, steps = fresh()
     adamw_step("exact", params, [g.clone()], moms, steps, cfg, 1e-2, clip=c)
