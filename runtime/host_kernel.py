@@ -140,6 +140,8 @@ def _load() -> None:
         lib = ctypes.CDLL(str(_build()))
         lib.mt_adamw.restype = None
         lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
+        lib.mt_fp8_check.restype = ctypes.c_int64
+        lib.mt_fp8_check.argtypes = [ctypes.c_uint32]
     except (OSError, ValueError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         _state["why_not"] = f"could not build or load {SOURCE.name}: {e}"
         return
@@ -173,6 +175,12 @@ def why_not() -> str | None:
     """Why the kernel is not used on this machine (None: it is)."""
     available()
     return _state.get("why_not")
+
+
+def fp8_check(stride: int = 1) -> int:
+    """How many inputs the AVX-512 fp8 conversions of host_kernel.c get wrong against its element functions
+    (every code; every `stride`-th fp32 of [-448, 448]); -1 where that code is not built (no AVX-512)."""
+    return _state["lib"].mt_fp8_check(stride)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -136,6 +136,64 @@ def test_every_stored_fp8_byte_expands_as_torch_does():
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_every_finite_fp8_byte_in_a_full_block_expands_as_torch_does():
+    """The 254 finite codes (no NaN: the vector loop takes the block) as first and second moments of full
+    blocks, with scales from tiny to near the 2^120 edge where the vector loop hands over to the element one."""
+    assert host_kernel.available(), host_kernel.why_not()
+    shapes = [(3 * FP8_BLOCK,), (3 * FP8_BLOCK,)]
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    every = codes[torch.arange(3 * FP8_BLOCK) * 101 % len(codes)]
+    ordinary = (every & 0x3F) | 0x08
+    runs = []
+    for one_pass in (False, True):
+        gen, params, moments, steps = _state("fp8", shapes, 6)
+        for mom, (m, v) in zip(moments, [(every, ordinary), (ordinary, every)]):
+            mom.exp_avg.view(torch.uint8).copy_(m)
+            mom.exp_avg_sq.view(torch.uint8).copy_(v)
+            mom.avg_scale.copy_(torch.tensor([1e-4, 2.0**-126, 2.0**119]))
+            mom.sq_scale.copy_(torch.tensor([1e-9, 2.0**119, 2.0**120]))
+        steps = [torch.ones(()) for _ in shapes]
+        grads = [torch.randn(s, generator=gen).to(grad_dtype("fp8")) * 1e-3 for s in shapes]
+        host_state._step("fp8", params, grads, moments, steps, CFG, 3e-3, [True, False], None, one_pass)
+        runs.append([*params, *(t for mom in moments for t in mom.tensors().values())])
+    for i, (a, b) in enumerate(zip(*runs)):
+        nan = torch.isnan(a.float())
+        assert torch.equal(nan, torch.isnan(b.float())), i
+        _assert_same_bits([a[~nan]], [b[~nan]], f"tensor {i}")
+    assert not torch.isnan(runs[0][0][:FP8_BLOCK]).any()  # the ordinary block stays finite: not vacuous
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_the_vector_fp8_conversions_agree_with_c10s_on_every_input():
+    """host_kernel.c's AVX-512 conversions against its element functions (c10's rounding), exhaustively: all
+    256 codes expanded, and every fp32 of [-448, 448] rounded to e4m3 (2.3e9 values, about 10 s)."""
+    assert host_kernel.available(), host_kernel.why_not()
+    bad = host_kernel.fp8_check(1)
+    if bad < 0:
+        pytest.skip("this machine's build has no AVX-512 fp8 path")
+    assert bad == 0
+
+
+def test_fp8_scales_are_the_least_power_of_two_that_fits():
+    """host_state._scale: s a power of two >= 2^-126 with amax / s <= 448 and amax / (s / 2) > 448 above the
+    floor; 0, inf and NaN kept. The kernel computes the same from the bits (the tests above compare them)."""
+    gen = torch.Generator().manual_seed(0)
+    amax = torch.cat([torch.rand(4000, generator=gen) * 10.0 ** torch.randint(-40, 38, (4000,), generator=gen),
+                      torch.tensor([448.0, 448.00003, 1.0, 1.75, 1.7500001, 2.0**-149, 3.4e38])])
+    s = amax.clone()
+    host_state._scale(s)
+    mant, _ = torch.frexp(s)
+    assert (mant == 0.5).all() and (s >= 2.0**-126).all()
+    assert (amax.double() / s.double() <= 448).all()
+    above = s > 2.0**-126
+    assert (amax[above].double() / (s[above].double() / 2) > 448).all() and above.sum() > 3500
+    assert s[-7:-3].tolist() == [1.0, 2.0, 2.0**-8, 2.0**-8] and s[-3] == 2.0**-7
+    special = torch.tensor([0.0, float("inf"), float("nan")])
+    host_state._scale(special)
+    assert special[0] == 0 and special[1] == float("inf") and special[2].isnan()
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
 @pytest.mark.parametrize("policy", ["exact", "bf16"])
 def test_a_first_moment_weight_of_half_or_more_takes_torchs_other_lerp(policy):
     """beta1 < 0.5: torch computes the lerp as g - (g - m)(1 - w); so must the kernel."""
