@@ -167,14 +167,13 @@ static inline uint32_t finite_to_fp8(float y) {
     return (u < (121u << 23) ? sub : normal) | sign;
 }
 
-/* The scale of a block whose amax of |x| has the bits `top` (host_state._scale): the least power of two s >=
- * 2^-126 with amax / s <= 448 (amax = 1.f x 2^e: 2^(e-8), or 2^(e-7) when 1.f > 1.75); an all-zero block's
- * scale is 0, a non-finite block's its amax. A power of two makes x / s exactly x times 1 / s, and the
- * reciprocal exact: requantising multiplies where it divided, and the vector loops below need no division. */
-static inline float block_scale(uint32_t top) {
-    if (top == 0 || top > 0x7F7FFFFFu) return from_bits(top);
-    const int32_t biased = (int32_t)(top >> 23) - 8 + ((top & 0x7FFFFFu) > 0x600000u);
-    return from_bits((uint32_t)(biased > 1 ? biased : 1) << 23);
+/* A block whose amax of |x| has the bits `top` (finite): its scale, what dequantising multiplies by, is amax / 448;
+ * requantising multiplies by its quantiser r = 448 / amax (at most FLT_MAX: an all-zero block's zeros times it
+ * are zeros) and clamps to +-448, as host_state._quant does. One rounding of x r where x / scale divided. */
+static inline float block_scale(uint32_t top) { return from_bits(top) / 448.0f; }
+static inline float block_quantiser(uint32_t top) {
+    const float r = 448.0f / from_bits(top);
+    return r < 0x1.fffffep127f ? r : 0x1.fffffep127f;
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -203,11 +202,13 @@ static inline int nan_code(const uint8_t *q) {
     return _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8((char)0xFF)) != 0;
 }
 
-/* 16 fp32 -> float8_e4m3fn, given r8 = 2^-8 / s for the block's scale s (a power of two): y = x r8 is x / s /
- * 256 exactly. Adding and subtracting M = 2^(max(e, -14) + 20) (e: |y|'s exponent) rounds |y| to nearest even
- * at e4m3's step there, 3 mantissa bits (2^-17 below its least normal, 2^-14 here), as c10 rounds x / s; the
- * rounded value is an fp16 whose bits shifted right 7 are the code's magnitude. |x / s| <= 448 (the scale's
- * definition), so nothing saturates. SIGN8 is a load, not a constant the compiler rebuilds every iteration. */
+/* 16 fp32 -> float8_e4m3fn, given r8 = r x 2^-8 (r: the block's quantiser, r8 normal): y = x r8 is x r / 256
+ * exactly (when it is not, y is below 2^-126 and x r rounds to zero either way). No clamp: |x| <= amax and
+ * r <= 448 / amax (1 + 2^-24), so |x r| is at most a few ulps above 448, which rounds to 448 as clamped.
+ * Adding and subtracting M = 2^(max(e, -14) + 20) (e: |y|'s exponent) rounds |y| to nearest even at
+ * e4m3's step there, 3 mantissa bits (2^-17 below its least normal, 2^-14 here), as c10 rounds x r; the
+ * rounded value is an fp16 whose bits shifted right 7 are the code's magnitude. SIGN8 is a load, not a constant
+ * the compiler rebuilds every iteration. */
 static const uint8_t SIGN8[16] __attribute__((aligned(16))) = {
     0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80};
 static inline __m128i f32x16_to_fp8(__m512 x, __m512 r8) {
@@ -223,16 +224,18 @@ static inline __m128i f32x16_to_fp8(__m512 x, __m512 r8) {
 }
 #endif
 
-/* fp32 x[0, n) -> fp8 q, given the block's scale s = block_scale(top): x / s rounded. A finite nonzero scale
- * takes x times its exact reciprocal through finite_to_fp8 (or f32x16_to_fp8, the same bits), 1.7x faster than
- * c10's whole conversion, which a block holding a NaN or an inf takes (x / s clamped to +-448). */
+/* fp32 x[0, n) -> fp8 q for a block whose amax of |x| has the bits `top`, scale s. A finite block takes
+ * finite_to_fp8 (or f32x16_to_fp8, the same bits) of x times its quantiser, 1.7x faster than c10's whole
+ * conversion, which a block holding a NaN or an inf takes (x / s clamped to +-448: 0 or NaN). */
 static void quant_fp8(const float *x, int n, uint32_t top, float s, uint8_t *q) {
-    if (top != 0 && top <= 0x7F7FFFFFu) {
-        const float r = 1.0f / s;
+    if (top <= 0x7F7FFFFFu) {
+        const float r = block_quantiser(top);
         int i = 0;
 #ifdef FP8_AVX512
-        const __m512 r8 = _mm512_set1_ps(r * 0x1p-8f);
-        for (; i + 16 <= n; i += 16) _mm_storeu_si128((__m128i *)(q + i), f32x16_to_fp8(_mm512_loadu_ps(x + i), r8));
+        if (r >= 0x1p-118f) {
+            const __m512 r8 = _mm512_set1_ps(r * 0x1p-8f);
+            for (; i + 16 <= n; i += 16) _mm_storeu_si128((__m128i *)(q + i), f32x16_to_fp8(_mm512_loadu_ps(x + i), r8));
+        }
 #endif
         for (; i < n; i++) q[i] = (uint8_t)finite_to_fp8(x[i] * r);
         return;
@@ -363,16 +366,16 @@ static inline __attribute__((always_inline)) void loop_fp8_body(
         m_scale[a / BLOCK] = sm;
         v_scale[a / BLOCK] = sv;
 #ifdef FP8_AVX512
-        if (n == BLOCK && top_m != 0 && top_m <= 0x7F7FFFFFu) {
+        if (n == BLOCK && top_m <= 0x7F7FFFFFu && block_quantiser(top_m) >= 0x1p-118f) {
             pend_m = m + a;
-            r8m = _mm512_set1_ps(1.0f / sm * 0x1p-8f);
+            r8m = _mm512_set1_ps(block_quantiser(top_m) * 0x1p-8f);
         } else
 #endif
             quant_fp8(bm, n, top_m, sm, m + a);
 #ifdef FP8_AVX512
-        if (n == BLOCK && top_v != 0 && top_v <= 0x7F7FFFFFu) {
+        if (n == BLOCK && top_v <= 0x7F7FFFFFu && block_quantiser(top_v) >= 0x1p-118f) {
             pend_v = v + a;
-            r8v = _mm512_set1_ps(1.0f / sv * 0x1p-8f);
+            r8v = _mm512_set1_ps(block_quantiser(top_v) * 0x1p-8f);
         } else
 #endif
             quant_fp8(bv, n, top_v, sv, v + a);
@@ -414,8 +417,8 @@ void mt_adamw(float *param, const void *grad, void *exp_avg, void *exp_avg_sq, f
 }
 
 /* For tests/runtime/test_host_kernel.py: the vector conversions' mismatches against the element functions, over
- * every code (scale 1) and every `stride`-th fp32 bit pattern of [0, 448], each of both signs; -1 where the
- * vector code is not built (no AVX-512 on the machine that compiled it). */
+ * every code (scale 1) and every `stride`-th fp32 bit pattern of [0, 448] and 256 ulps past it (as clamped to
+ * 448), each of both signs; -1 where the vector code is not built (no AVX-512 where it was compiled). */
 int64_t mt_fp8_check(uint32_t stride) {
 #ifdef FP8_AVX512
     int64_t bad = 0;
@@ -426,14 +429,17 @@ int64_t mt_fp8_check(uint32_t stride) {
         _mm512_storeu_ps(x, fp8x16_to_f32(q, _mm512_set1_ps(256.0f)));
         for (int j = 0; j < 16; j++) bad += (q[j] & 0x7f) != 0x7f && bits(x[j]) != bits(fp8_to_f32(q[j]));
     }
-    const uint64_t top = 0x43E00000u, step = stride ? stride : 1;
+    const uint64_t top = 0x43E00100u, step = stride ? stride : 1; /* 256 ulps past 448: as clamped */
     for (uint64_t u0 = 0; u0 <= top; u0 += 8 * step) {
         for (int j = 0; j < 16; j++) { /* 8 patterns, positive then negative */
             const uint64_t u = u0 + (uint64_t)(j % 8) * step;
             x[j] = from_bits((uint32_t)(u < top ? u : top) | (j < 8 ? 0u : 0x80000000u));
         }
         _mm_storeu_si128((__m128i *)q, f32x16_to_fp8(_mm512_loadu_ps(x), _mm512_set1_ps(0x1p-8f)));
-        for (int j = 0; j < 16; j++) bad += q[j] != f32_to_fp8(x[j]) || q[j] != (uint8_t)finite_to_fp8(x[j]);
+        for (int j = 0; j < 16; j++) {
+            const float clamped = fabsf(x[j]) <= 448.0f ? x[j] : copysignf(448.0f, x[j]);
+            bad += q[j] != f32_to_fp8(clamped) || q[j] != (uint8_t)finite_to_fp8(x[j]);
+        }
     }
     return bad;
 #else

@@ -179,7 +179,8 @@ def why_not() -> str | None:
 
 def fp8_check(stride: int = 1) -> int:
     """How many inputs the AVX-512 fp8 conversions of host_kernel.c get wrong against its element functions
-    (every code; every `stride`-th fp32 of [-448, 448]); -1 where that code is not built (no AVX-512)."""
+    (every code; every `stride`-th fp32 of [-448, 448] and a little past); -1 where that code is not built
+    (no AVX-512)."""
     return _state["lib"].mt_fp8_check(stride)
 
 

@@ -20,10 +20,9 @@ rounds back, the clip factor applied as below. Otherwise the same update runs as
   (upcast from bf16 if held so; times c, as exact multiplies, when clipped) and moments are expanded to fp32
   scratch, the fused kernel updates master and scratch, and the moments are rounded back: bf16 by
   round-to-nearest-even; fp8 as float8_e4m3fn per FP8_BLOCK-element block (blocks start at each parameter's
-  first element) with an fp32 scale: the least power of two s >= 2^-126 with block amax / s <= 448 (`_scale`;
-  as OCP's microscaling formats scale, so x / s is exact, and host_kernel.c multiplies by 1 / s where an
-  amax / 448 scale made it divide). A dequantised second moment is floored at its block's least positive step
-  (scale x 2^-9), so a value that underflowed to 0 never divides a non-zero first moment by eps alone; an
+  first element) with an fp32 scale = block amax / 448, rounded as x times 448 / amax (`_quantiser`: a
+  multiply, not a division per element). A dequantised second moment is floored at its block's least positive
+  step (scale x 2^-9), so a value that underflowed to 0 never divides a non-zero first moment by eps alone; an
   all-zero block keeps scale 0. Results do not depend on the chunk size (elementwise math, blocks inside
   chunks), only on the values.
 - The NaN/inf verdict is not taken here: the store reads it from the gradient norms the device computed
@@ -304,25 +303,26 @@ def _dequant(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, index: tor
 
 
 def _quant(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, work: torch.Tensor | None = None) -> None:
-    """Round fp32 `x` (overwritten) into fp8 `q` and the per-block `scale` (`_scale` of the block's amax);
-    `work`: a scratch of x's size for |x| (allocated if not given)."""
+    """Round fp32 `x` (overwritten) into fp8 `q` and the per-block `scale` = block amax / 448; each block is
+    x times its quantiser (`_quantiser`) clamped to +-448, then rounded; `work`: a scratch of x's size for |x|
+    (allocated if not given)."""
     work = (work if work is not None else torch.empty_like(x))[: x.numel()]
     for k, (part, mag) in enumerate(zip(_blocks(x), _blocks(work))):
         if part is None:
             continue
         s = scale[: part.shape[0]] if k == 0 else scale[-1:]
         torch.amax(torch.abs(part, out=mag), dim=1, out=s)  # NOTE: 25x faster than vector_norm(inf, dim=1)
-        _scale(s)
-        part.div_(torch.where(s > 0, s, 1.0)[:, None]).clamp_(-FP8_MAX, FP8_MAX)
+        r = _quantiser(s)
+        s.div_(FP8_MAX)
+        part.mul_(r[:, None]).clamp_(-FP8_MAX, FP8_MAX)
     q.copy_(x)
 
 
-def _scale(amax: torch.Tensor) -> None:
-    """Block amaxes -> their scales, in place: the least power of two s >= 2^-126 with amax / s <= FP8_MAX, by
-    the bits (amax = 1.f x 2^e: 2^(e-8), or 2^(e-7) when 1.f > 1.75; host_kernel.c block_scale); 0 and
-    non-finite amaxes are kept."""
-    bits = amax.view(torch.int32)
-    finite = (bits > 0) & (bits <= 0x7F7FFFFF)
-    biased = (bits >> 23) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
-    pow2 = (biased.clamp_(min=1) << 23).view(torch.float32)
-    amax.copy_(torch.where(finite, pow2, amax))
+def _quantiser(amax: torch.Tensor) -> torch.Tensor:
+    """What a block's values are multiplied by before rounding to fp8: 448 / amax, at most FLT_MAX (an all-zero
+    block's zeros stay zeros). A block holding an inf or a NaN keeps the division it had: by its scale
+    amax / 448 where that is > 0, else by 1 (times 1 / that: the same values). host_kernel.c block_quantiser.
+    One multiply where x / scale divided; x r differs from x / scale by at most an ulp before the rounding."""
+    scale = amax / FP8_MAX
+    r = torch.div(FP8_MAX, amax).clamp_(max=torch.finfo(torch.float32).max)
+    return torch.where(torch.isfinite(amax), r, 1 / torch.where(scale > 0, scale, 1.0))

@@ -166,7 +166,8 @@ def test_every_finite_fp8_byte_in_a_full_block_expands_as_torch_does():
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
 def test_the_vector_fp8_conversions_agree_with_c10s_on_every_input():
     """host_kernel.c's AVX-512 conversions against its element functions (c10's rounding), exhaustively: all
-    256 codes expanded, and every fp32 of [-448, 448] rounded to e4m3 (2.3e9 values, about 10 s)."""
+    256 codes expanded, and every fp32 of [-448, 448] rounded to e4m3 (2.3e9 values, about 10 s), and the
+    few past 448 that a block's largest value times its quantiser can give."""
     assert host_kernel.available(), host_kernel.why_not()
     bad = host_kernel.fp8_check(1)
     if bad < 0:
@@ -174,23 +175,18 @@ def test_the_vector_fp8_conversions_agree_with_c10s_on_every_input():
     assert bad == 0
 
 
-def test_fp8_scales_are_the_least_power_of_two_that_fits():
-    """host_state._scale: s a power of two >= 2^-126 with amax / s <= 448 and amax / (s / 2) > 448 above the
-    floor; 0, inf and NaN kept. The kernel computes the same from the bits (the tests above compare them)."""
+def test_fp8_blocks_are_multiplied_by_448_over_their_amax():
+    """host_state._quantiser: 448 / amax rounded once, at most FLT_MAX (zero and tiny amaxes: the block's values
+    times it stay within +-448), and for a non-finite block the reciprocal of the division it had (inf: 0, NaN:
+    1). The kernel computes the same (the tests above compare the bits)."""
     gen = torch.Generator().manual_seed(0)
-    amax = torch.cat([torch.rand(4000, generator=gen) * 10.0 ** torch.randint(-40, 38, (4000,), generator=gen),
-                      torch.tensor([448.0, 448.00003, 1.0, 1.75, 1.7500001, 2.0**-149, 3.4e38])])
-    s = amax.clone()
-    host_state._scale(s)
-    mant, _ = torch.frexp(s)
-    assert (mant == 0.5).all() and (s >= 2.0**-126).all()
-    assert (amax.double() / s.double() <= 448).all()
-    above = s > 2.0**-126
-    assert (amax[above].double() / (s[above].double() / 2) > 448).all() and above.sum() > 3500
-    assert s[-7:-3].tolist() == [1.0, 2.0, 2.0**-8, 2.0**-8] and s[-3] == 2.0**-7
-    special = torch.tensor([0.0, float("inf"), float("nan")])
-    host_state._scale(special)
-    assert special[0] == 0 and special[1] == float("inf") and special[2].isnan()
+    amax = torch.rand(4000, generator=gen) * 10.0 ** torch.randint(-44, 38, (4000,), generator=gen).float()
+    r = host_state._quantiser(amax)
+    biggest = torch.finfo(torch.float32).max
+    assert torch.equal(r, (448 / amax.double()).clamp(max=biggest).float())  # one rounding (double's is exact)
+    assert (amax * r <= 448 * (1 + 2**-23)).all() and (r < biggest).sum() > 3000 and (r == biggest).sum() > 100
+    special = host_state._quantiser(torch.tensor([0.0, float("inf"), float("nan")]))
+    assert special.tolist()[:2] == [torch.finfo(torch.float32).max, 0.0] and special[2] == 1.0
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
