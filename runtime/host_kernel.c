@@ -247,6 +247,27 @@ static void quant_fp8(const float *x, int n, uint32_t top, float s, uint8_t *q) 
     }
 }
 
+/* A block's requantisation: now (quant_fp8), or, for a full finite block with AVX-512, deferred: the result is
+ * where its codes go (NULL: written) and *r8 its quantiser x 2^-8, for the next block's update loop (finish). */
+static inline uint8_t *requant(const float *x, int n, uint32_t top, float s, uint8_t *q, float *r8) {
+#ifdef FP8_AVX512
+    if (n == BLOCK && top <= 0x7F7FFFFFu && block_quantiser(top) >= 0x1p-118f) {
+        *r8 = block_quantiser(top) * 0x1p-8f;
+        return q;
+    }
+#endif
+    quant_fp8(x, n, top, s, q);
+    return NULL;
+}
+
+#ifdef FP8_AVX512
+/* A deferred block's codes from `from` on (none when q is NULL). */
+static inline void finish(uint8_t *q, const float *x, float r8, int from) {
+    for (int i = from; q && i < BLOCK; i += 16)
+        _mm_storeu_si128((__m128i *)(q + i), f32x16_to_fp8(_mm512_load_ps(x + i), _mm512_set1_ps(r8)));
+}
+#endif
+
 /* The running amax of |x| (torch.amax: NaN if any is) in TOP, an unsigned integer: |x| as one orders as the
  * float does, NaN above everything, so the integer max is the float's, and it vectorises. */
 #define TOP_ABS(TOP, X)                                                                                     \
@@ -289,9 +310,9 @@ static inline __attribute__((always_inline)) void loop_fp8_body(
      * conversions' integer work; requantising each block after its own update left the core draining its
      * window at every block's end (in cache, 0.95 against 0.89 ns per element). pend_m / pend_v: where the
      * pending block's codes go (NULL: none pending); its values are in mf / vf[cur ^ 1]. */
-    uint8_t *pend_m = NULL, *pend_v = NULL;
-    __m512 r8m = _mm512_setzero_ps(), r8v = _mm512_setzero_ps();
 #endif
+    uint8_t *pend_m = NULL, *pend_v = NULL;
+    float r8m = 0.0f, r8v = 0.0f;
     for (int64_t a = begin; a < end; a += BLOCK, cur ^= 1) {
         const int n = (int)(end - a < BLOCK ? end - a : BLOCK);
         const int nv = nvec <= a ? 0 : nvec >= a + n ? n : (int)(nvec - a);
@@ -321,7 +342,7 @@ static inline __attribute__((always_inline)) void loop_fp8_body(
             const __m512 vtiny = _mm512_set1_ps(tiny), fac = _mm512_set1_ps(factor), decay = _mm512_set1_ps(c->decay);
             const __m512 lerp = _mm512_set1_ps(c->lerp_coeff), b2 = _mm512_set1_ps(c->beta2), c2 = _mm512_set1_ps(c->c2);
             const __m512 bc2 = _mm512_set1_ps(c->bc2_sqrt), eps = _mm512_set1_ps(c->eps);
-            const __m512 nstep = _mm512_set1_ps(c->neg_step_size);
+            const __m512 nstep = _mm512_set1_ps(c->neg_step_size), r8mv = _mm512_set1_ps(r8m), r8vv = _mm512_set1_ps(r8v);
             const int small = c->lerp_small; /* torch's lerp: from m, or back from g (a local: not reloaded) */
             for (; i0 + 16 <= nv; i0 += 16) {
                 const int64_t k = a + i0, ahead = k + AHEAD;
@@ -348,43 +369,28 @@ static inline __attribute__((always_inline)) void loop_fp8_body(
                 _mm512_store_ps(bv + i0, vi);
                 tm = _mm512_max_epu32(tm, _mm512_and_si512(_mm512_castps_si512(mi), absmask));
                 tv = _mm512_max_epu32(tv, _mm512_and_si512(_mm512_castps_si512(vi), absmask));
-                if (pend_m) _mm_storeu_si128((__m128i *)(pend_m + i0), f32x16_to_fp8(_mm512_load_ps(om + i0), r8m));
-                if (pend_v) _mm_storeu_si128((__m128i *)(pend_v + i0), f32x16_to_fp8(_mm512_load_ps(ov + i0), r8v));
+                if (pend_m) _mm_storeu_si128((__m128i *)(pend_m + i0), f32x16_to_fp8(_mm512_load_ps(om + i0), r8mv));
+                if (pend_v) _mm_storeu_si128((__m128i *)(pend_v + i0), f32x16_to_fp8(_mm512_load_ps(ov + i0), r8vv));
             }
             top_m = _mm512_reduce_max_epu32(tm);
             top_v = _mm512_reduce_max_epu32(tv);
         }
-        for (int i = i0; pend_m && i < BLOCK; i += 16)
-            _mm_storeu_si128((__m128i *)(pend_m + i), f32x16_to_fp8(_mm512_load_ps(om + i), r8m));
-        for (int i = i0; pend_v && i < BLOCK; i += 16)
-            _mm_storeu_si128((__m128i *)(pend_v + i), f32x16_to_fp8(_mm512_load_ps(ov + i), r8v));
-        pend_m = pend_v = NULL;
+        finish(pend_m, om, r8m, i0);
+        finish(pend_v, ov, r8v, i0);
 #endif
         FP8_ELEMENTS(adam_vec1, i0, nv)
         FP8_ELEMENTS(adam_tail1, nv > i0 ? nv : i0, n)
         const float sm = block_scale(top_m), sv = block_scale(top_v);
         m_scale[a / BLOCK] = sm;
         v_scale[a / BLOCK] = sv;
-#ifdef FP8_AVX512
-        if (n == BLOCK && top_m <= 0x7F7FFFFFu && block_quantiser(top_m) >= 0x1p-118f) {
-            pend_m = m + a;
-            r8m = _mm512_set1_ps(block_quantiser(top_m) * 0x1p-8f);
-        } else
-#endif
-            quant_fp8(bm, n, top_m, sm, m + a);
-#ifdef FP8_AVX512
-        if (n == BLOCK && top_v <= 0x7F7FFFFFu && block_quantiser(top_v) >= 0x1p-118f) {
-            pend_v = v + a;
-            r8v = _mm512_set1_ps(block_quantiser(top_v) * 0x1p-8f);
-        } else
-#endif
-            quant_fp8(bv, n, top_v, sv, v + a);
+        pend_m = requant(bm, n, top_m, sm, m + a, &r8m);
+        pend_v = requant(bv, n, top_v, sv, v + a, &r8v);
     }
 #ifdef FP8_AVX512
-    for (int i = 0; pend_m && i < BLOCK; i += 16)
-        _mm_storeu_si128((__m128i *)(pend_m + i), f32x16_to_fp8(_mm512_load_ps(mf[cur ^ 1] + i), r8m));
-    for (int i = 0; pend_v && i < BLOCK; i += 16)
-        _mm_storeu_si128((__m128i *)(pend_v + i), f32x16_to_fp8(_mm512_load_ps(vf[cur ^ 1] + i), r8v));
+    finish(pend_m, mf[cur ^ 1], r8m, 0);
+    finish(pend_v, vf[cur ^ 1], r8v, 0);
+#else
+    (void)pend_m, (void)pend_v; /* always NULL: requant writes every block at once */
 #endif
 }
 #define FP8_LOOP(NAME, GB)                                                                                  \

@@ -108,28 +108,36 @@ def test_non_finite_and_overflowing_values_give_the_same_bits(policy):
     assert any(x.any() for x in nan[0]) and not all(x.all() for x in nan[0])  # not vacuous
 
 
+def _fp8_steps_from(every: torch.Tensor, avg_scales: list[float], sq_scales: list[float], seed: int) -> list:
+    """One fp8 step of two tensors of every's size, through the torch path then the kernel, from stored codes:
+    tensor 0's first moment `every` and second moment an ordinary (normal, positive) code per element, tensor 1
+    the other way round, with the given per-block scales; per path, the params then every moment tensor."""
+    shapes = [every.shape, every.shape]
+    ordinary = (every & 0x3F) | 0x08
+    runs = []
+    for one_pass in (False, True):
+        gen, params, moments, steps = _state("fp8", shapes, seed)
+        for mom, (m, v) in zip(moments, [(every, ordinary), (ordinary, every)]):
+            mom.exp_avg.view(torch.uint8).copy_(m)
+            mom.exp_avg_sq.view(torch.uint8).copy_(v)
+            mom.avg_scale.copy_(torch.tensor(avg_scales))
+            mom.sq_scale.copy_(torch.tensor(sq_scales))
+        steps = [torch.ones(()) for _ in shapes]
+        grads = [torch.randn(s, generator=gen).to(grad_dtype("fp8")) * 1e-3 for s in shapes]
+        host_state._step("fp8", params, grads, moments, steps, CFG, 3e-3, [True, False], None, one_pass)
+        runs.append([*params, *(t for mom in moments for t in mom.tensors().values())])
+    return runs
+
+
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
 def test_every_stored_fp8_byte_expands_as_torch_does():
     """All 256 float8_e4m3fn bit patterns (both zeros, subnormals, the largest, both NaNs, negative second
     moments, which the floor lifts) as stored first and second moments, in the vector body and the scalar
     tail: each element's weight shows its expansion."""
     assert host_kernel.available(), host_kernel.why_not()
-    shapes = [(FP8_BLOCK + 3,), (FP8_BLOCK + 3,)]
     every = (torch.arange(FP8_BLOCK + 3) * 101 % 256).to(torch.uint8)  # 101 is odd: all 256 in the first block
-    ordinary = (every & 0x3F) | 0x08  # normal, positive values
-    runs = []
-    for one_pass in (False, True):
-        gen, params, moments, steps = _state("fp8", shapes, 5)
-        for mom, (m, v) in zip(moments, [(every, ordinary), (ordinary, every)]):
-            mom.exp_avg.view(torch.uint8).copy_(m)
-            mom.exp_avg_sq.view(torch.uint8).copy_(v)
-            mom.avg_scale.copy_(torch.tensor([1e-4, 3e-5]))
-            mom.sq_scale.copy_(torch.tensor([1e-9, 2e-9]))
-        steps = [torch.ones(()) for _ in shapes]
-        grads = [torch.randn(s, generator=gen).to(grad_dtype("fp8")) * 1e-3 for s in shapes]
-        host_state._step("fp8", params, grads, moments, steps, CFG, 3e-3, [True, False], None, one_pass)
-        runs.append(params)
-    for i, (a, b) in enumerate(zip(*runs)):
+    runs = _fp8_steps_from(every, [1e-4, 3e-5], [1e-9, 2e-9], seed=5)
+    for i, (a, b) in enumerate(zip(*(run[:2] for run in runs))):
         nan = torch.isnan(a)
         assert torch.equal(nan, torch.isnan(b)) and 0 < int(nan.sum()) < a.numel() // 2, i
         _assert_same_bits([a[~nan]], [b[~nan]], f"tensor {i}")
@@ -140,22 +148,9 @@ def test_every_finite_fp8_byte_in_a_full_block_expands_as_torch_does():
     """The 254 finite codes (no NaN: the vector loop takes the block) as first and second moments of full
     blocks, with scales from tiny to near the 2^120 edge where the vector loop hands over to the element one."""
     assert host_kernel.available(), host_kernel.why_not()
-    shapes = [(3 * FP8_BLOCK,), (3 * FP8_BLOCK,)]
     codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
     every = codes[torch.arange(3 * FP8_BLOCK) * 101 % len(codes)]
-    ordinary = (every & 0x3F) | 0x08
-    runs = []
-    for one_pass in (False, True):
-        gen, params, moments, steps = _state("fp8", shapes, 6)
-        for mom, (m, v) in zip(moments, [(every, ordinary), (ordinary, every)]):
-            mom.exp_avg.view(torch.uint8).copy_(m)
-            mom.exp_avg_sq.view(torch.uint8).copy_(v)
-            mom.avg_scale.copy_(torch.tensor([1e-4, 2.0**-126, 2.0**119]))
-            mom.sq_scale.copy_(torch.tensor([1e-9, 2.0**119, 2.0**120]))
-        steps = [torch.ones(()) for _ in shapes]
-        grads = [torch.randn(s, generator=gen).to(grad_dtype("fp8")) * 1e-3 for s in shapes]
-        host_state._step("fp8", params, grads, moments, steps, CFG, 3e-3, [True, False], None, one_pass)
-        runs.append([*params, *(t for mom in moments for t in mom.tensors().values())])
+    runs = _fp8_steps_from(every, [1e-4, 2.0**-126, 2.0**119], [1e-9, 2.0**119, 2.0**120], seed=6)
     for i, (a, b) in enumerate(zip(*runs)):
         nan = torch.isnan(a.float())
         assert torch.equal(nan, torch.isnan(b.float())), i
