@@ -65,7 +65,7 @@ def main() -> None:
     if args.table:
         runs = [r for name in args.table for r in _load(name)["runs"]]
         table(runs, [p for p in ORDER + ("control",) if any(r["policy"] == p for r in runs)],
-              sorted({r["seed"] for r in runs}), None, None)
+              sorted({r["seed"] for r in runs}))
         return
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,7 +94,9 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": runs, "steps": args.steps, "layers": args.layers, "wall_s": wall}, f, indent=1)
-    table(runs, policies, seeds, config.n_params(), (args.steps, wall))
+    print(f"\n{config.n_params():,} parameters, {args.steps} steps x {8 * 128} tokens, {len(seeds)} seeds, "
+          f"{wall / 60:.1f} min wall")
+    table(runs, policies, seeds)
 
 
 def _load(name: str) -> dict:
@@ -102,14 +104,11 @@ def _load(name: str) -> dict:
         return json.load(f)
 
 
-def table(runs: list[dict], policies: list[str], seeds, n_params: int | None, steps_wall) -> None:
+def table(runs: list[dict], policies: list[str], seeds) -> None:
     """The markdown table: per policy the paired costs, their mean (the decision rule's figure), its standard
-    error and auto's verdict; seeds missing a run of the policy or of exact are left out (and said)."""
+    error and auto's verdict; a seed missing a run of the policy or of exact is left out of its figures (the
+    seeds column counts those used) and shows as "-" per seed."""
     val = {(r["policy"], r["seed"]): r["val_loss"] for r in runs}
-    if n_params is not None:
-        steps, wall = steps_wall
-        print(f"\n{n_params:,} parameters, {steps} steps x {8 * 128} tokens, {len(seeds)} seeds, "
-              f"{wall / 60:.1f} min wall")
     print("\n| policy | seeds | val loss (mean ± sd) | cost (mean ± standard error) | cost sd | auto may choose it |")
     print("|---|---|---|---|---|---|")
     for policy in policies:

@@ -251,8 +251,9 @@ static void quant_fp8(const float *x, int n, uint32_t top, float s, uint8_t *q) 
  * where its codes go (NULL: written) and *r8 its quantiser x 2^-8, for the next block's update loop (finish). */
 static inline uint8_t *requant(const float *x, int n, uint32_t top, float s, uint8_t *q, float *r8) {
 #ifdef FP8_AVX512
-    if (n == BLOCK && top <= 0x7F7FFFFFu && block_quantiser(top) >= 0x1p-118f) {
-        *r8 = block_quantiser(top) * 0x1p-8f;
+    const float r = block_quantiser(top); /* NaN for a NaN block: the compare fails */
+    if (n == BLOCK && top <= 0x7F7FFFFFu && r >= 0x1p-118f) {
+        *r8 = r * 0x1p-8f;
         return q;
     }
 #endif
