@@ -16,6 +16,9 @@ moving by about 1.4% from chaos alone, so a 3-seed mean has a standard error nea
 compared with: the verdict was mostly chance. The change was made after fp8's new rounding (x times 448 /
 amax) measured +0.65% over 3 seeds (the earlier rounding: -0.10%); the 12-seed figures replace every policy's
 cost whichever way they fall, and the table now prints each mean's standard error.
+2026-12-04: fp8's weight update now divides once (den = sqrt(v) x (1 / sqrt(bc2)) + eps, host_state.py
+_fp8_update; written before the runs): fp8 and exact re-run on the same 12 seeds under the same rule, the new
+figure replacing fp8's old one whichever way it falls.
 
 Setup: every run trains with megatrain's streamed runtime (Trainer, sim device, quality_runs.train_run: 8 x
 128 byte tokens a step from the built-in corpus, fp32, AdamW lr 3e-3 with 10% warmup and cosine decay, betas

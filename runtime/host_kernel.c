@@ -11,6 +11,12 @@
  * even, float8_e4m3fn by fp8e4m3fn_from_fp32_value, fp8 blocks scaled as host_state.py's torch path does.
  * host_kernel.py checks the result against that path bit for bit before a machine uses this code, so a torch
  * built with other contractions runs the torch path instead.
+ *
+ * FP8_DEN: with fp8 moments the denominator is sqrt(v) x (1 / sqrt(bc2)) + eps (host_state._fp8_update), not
+ * torch's sqrt(v) / sqrt(bc2) + eps: one division and one square root per element instead of two and one. The
+ * core's divider does 16 lanes of either in 10-12 cycles (measured here: zmm div 2.6 ns, sqrt 3.1 ns at about
+ * 3.85 GHz), so torch's form alone held the fp8 loop to 0.52 ns per element, above 0.8 of the memory bound
+ * (0.58 at one thread); with one division the loop measured 0.578 against 0.633 ns (in cache, C driver).
  */
 #include <math.h>
 #include <stdint.h>
@@ -67,7 +73,7 @@ static inline uint8_t f32_to_fp8(float f) {
 
 /* The fp32 coefficients, cast from double where torch casts them. */
 typedef struct {
-    float decay, w, lerp_coeff, beta2, c2, bc2_sqrt, eps, step_size, neg_step_size;
+    float decay, w, lerp_coeff, beta2, c2, bc2_sqrt, inv_bc2_sqrt, eps, step_size, neg_step_size;
     int lerp_small;
 } Coef;
 
@@ -82,31 +88,38 @@ static Coef coefficients(const Hyper *h) {
     c.beta2 = (float)h->beta2;
     c.c2 = (float)(1 - h->beta2);
     c.bc2_sqrt = (float)sqrt(bc2);
+    c.inv_bc2_sqrt = (float)(1 / sqrt(bc2));
     c.eps = (float)h->eps;
     c.step_size = (float)step_size;
     c.neg_step_size = (float)(-step_size);
     return c;
 }
 
+/* AdamW's denominator: torch's sqrt(v) / sqrt(bc2) + eps, or with `one_div` (fp8 moments, FP8_DEN)
+ * sqrt(v) x (1 / sqrt(bc2)) + eps, each operation rounded. */
+static inline float adam_den(float v, const Coef *c, const int one_div) {
+    return (one_div ? sqrtf(v) * c->inv_bc2_sqrt : sqrtf(v) / c->bc2_sqrt) + c->eps;
+}
+
 /* One element of torch's vector body: the gradient already scaled, p / m / v updated through the pointers. */
-static inline void adam_vec1(float *p, float g, float *m, float *v, const Coef *c) {
+static inline void adam_vec1(float *p, float g, float *m, float *v, const Coef *c, const int one_div) {
     const float pi = *p * c->decay;
     const float mi = fmaf(c->lerp_coeff, g - *m, c->lerp_small ? *m : g); /* torch's blendv lerp */
     float vi = fmaf(c->c2 * g, g, *v * c->beta2);
     *m = mi;
     *v = vi;
-    *p = pi + c->neg_step_size * mi / (sqrtf(vi) / c->bc2_sqrt + c->eps);
+    *p = pi + c->neg_step_size * mi / adam_den(vi, c, one_div);
 }
 
 /* One element of torch's scalar tail. */
-static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef *c) {
+static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef *c, const int one_div) {
     const float pi = *p * c->decay;
     /* m + w (g - m), or g - (g - m)(1 - w), contracted; -(x)(1 - w) is x (w - 1) exactly */
     const float mi = fmaf(c->lerp_coeff, g - *m, c->lerp_small ? *m : g);
     float vi = fmaf(*v, c->beta2, c->c2 * g * g);
     *m = mi;
     *v = vi;
-    *p = pi - c->step_size * mi / (sqrtf(vi) / c->bc2_sqrt + c->eps);
+    *p = pi - c->step_size * mi / adam_den(vi, c, one_div); /* (-s m) / d is -((s m) / d): vec1's bits */
 }
 
 /* Software prefetch, AHEAD elements in front of the loop, CHUNK elements at a time. The update's divisions
@@ -133,7 +146,7 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
         PREFETCH(v, f0, f1, 1);                                                                             \
         for (int64_t i = i0; i < i1; i++) {                                                                 \
             float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                       \
-            FN(p + i, LOADG(g[i]) * factor, &mi, &vi, c);                                                   \
+            FN(p + i, LOADG(g[i]) * factor, &mi, &vi, c, 0);                                                \
             m[i] = STOREM(mi);                                                                              \
             v[i] = STOREM(vi);                                                                              \
         }                                                                                                   \
@@ -188,39 +201,54 @@ static inline float block_quantiser(uint32_t top) {
  * fp16's (bias 15) and its subnormals are fp16 subnormals. value x s = (fp16 x 256) x s = fp16 x (256 s): one
  * rounding of the same product, with 256 s exact below 2^120. The NaN codes (0x7f, 0xff) would decode as
  * +-480: a block holding one takes the element loop (nan_code). */
-static inline __m512 fp8x16_to_f32(const uint8_t *q, __m512 s256) {
-    const __m256i wide = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
-    const __m256i h = _mm256_and_si256(_mm256_slli_epi16(wide, 7), _mm256_set1_epi16((short)0xBF80));
+static inline __m512 fp8x16_to_f32(const uint8_t *q, __m512 s256, int positive) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q);
+    const __m256i h = positive ? _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 7) /* codes below 0x7f */
+                               : _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                                                  _mm256_set1_epi16((short)0xBF80));
     return _mm512_mul_ps(_mm512_cvtph_ps(h), s256);
 }
 
-/* Whether a block's BLOCK codes hold a NaN code: the max of (code | 0x80) is 0xff only then. */
-static inline int nan_code(const uint8_t *q) {
-    const __m512i top = _mm512_set1_epi8((char)0x80);
+/* Whether a block's BLOCK codes hold a NaN code: the max of (code | 0x80) is 0xff only then. With `low`, any
+ * code from 0x7f up: a NaN or a negative value (a second moment's codes hold neither). */
+static inline int codes_above(const uint8_t *q, int low) {
+    const __m512i top = _mm512_set1_epi8(low ? 0 : (char)0x80);
     __m512i x = _mm512_or_si512(_mm512_loadu_si512(q), top);
     for (int i = 64; i < BLOCK; i += 64) x = _mm512_max_epu8(x, _mm512_or_si512(_mm512_loadu_si512(q + i), top));
-    return _mm512_cmpeq_epi8_mask(x, _mm512_set1_epi8((char)0xFF)) != 0;
+    return _mm512_cmpge_epu8_mask(x, _mm512_set1_epi8(low ? 0x7F : (char)0xFF)) != 0;
 }
 
-/* 16 fp32 -> float8_e4m3fn, given r8 = r x 2^-8 (r: the block's quantiser, r8 normal): y = x r8 is x r / 256
- * exactly (when it is not, y is below 2^-126 and x r rounds to zero either way). No clamp: |x| <= amax and
- * r <= 448 / amax (1 + 2^-24), so |x r| is at most a few ulps above 448, which rounds to 448 as clamped.
- * Adding and subtracting M = 2^(max(e, -14) + 20) (e: |y|'s exponent) rounds |y| to nearest even at
- * e4m3's step there, 3 mantissa bits (2^-17 below its least normal, 2^-14 here), as c10 rounds x r; the
- * rounded value is an fp16 whose bits shifted right 7 are the code's magnitude. SIGN8 is a load, not a constant
- * the compiler rebuilds every iteration. */
-static const uint8_t SIGN8[16] __attribute__((aligned(16))) = {
-    0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80};
-static inline __m128i f32x16_to_fp8(__m512 x, __m512 r8) {
-    const __m512i y = _mm512_castps_si512(_mm512_mul_ps(x, r8));
+/* fp32 -> float8_e4m3fn 16 at a time, given r8 = r x 2^-8 (r: the block's quantiser, r8 normal): y = x r8 is
+ * x r / 256 exactly (when it is not, y is below 2^-126 and x r rounds to zero either way). No clamp: |x| <= amax
+ * and r <= 448 / amax (1 + 2^-24), so |x r| is at most a few ulps above 448, which rounds to 448 as clamped.
+ * Adding and subtracting M = 2^(max(e, -14) + 20) (e: |y|'s exponent) rounds |y| to nearest even at e4m3's
+ * step there, 3 mantissa bits (2^-17 below its least normal, 2^-14 here), as c10 rounds x r; the rounded value
+ * is an fp16 whose bits shifted right 7 are the code's magnitude. fp8_magnitudes: that fp16 of |y| (of y
+ * itself where y >= 0: `positive`). */
+static inline __m256i fp8_magnitudes(__m512i y, int positive) {
     const __m512i e = _mm512_max_epu32(_mm512_and_si512(y, _mm512_set1_epi32(0x7F800000)),
                                        _mm512_set1_epi32(113 << 23));
     const __m512 big = _mm512_castsi512_ps(_mm512_add_epi32(e, _mm512_set1_epi32(20 << 23)));
-    const __m512 mag = _mm512_castsi512_ps(_mm512_and_si512(y, _mm512_set1_epi32(0x7FFFFFFF)));
-    const __m512 rounded = _mm512_sub_ps(_mm512_add_ps(mag, big), big);
-    const __m128i code = _mm256_cvtepi16_epi8(_mm256_srli_epi16(
-        _mm512_cvtps_ph(rounded, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), 7));
-    return _mm_mask_add_epi8(code, _mm512_movepi32_mask(y), code, _mm_load_si128((const __m128i *)SIGN8));
+    const __m512 mag = _mm512_castsi512_ps(positive ? y : _mm512_and_si512(y, _mm512_set1_epi32(0x7FFFFFFF)));
+    return _mm512_cvtps_ph(_mm512_sub_ps(_mm512_add_ps(mag, big), big), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline __m128i f32x16_to_fp8(__m512 x, __m512 r8) {
+    const __m512i y = _mm512_castps_si512(_mm512_mul_ps(x, r8));
+    const __m128i code = _mm256_cvtepi16_epi8(_mm256_srli_epi16(fp8_magnitudes(y, 0), 7));
+    return _mm_mask_add_epi8(code, _mm512_movepi32_mask(y), code, _mm_set1_epi8((char)0x80));
+}
+
+/* The same codes for 16 first-moment values (xm, any sign) and 16 second-moment values (xv >= 0: no sign to
+ * place), packed together: one shift and one byte pack for both, the sign byte added to the first half only.
+ * 0x80 + code is code | 0x80 (codes are below it); a lane whose sign bit is set gets it, -0 too (c10's 0x80). */
+static inline void fp8x32_store(__m512 xm, __m512 r8m, __m512 xv, __m512 r8v, __m128i sign, uint8_t *qm, uint8_t *qv) {
+    const __m512i ym = _mm512_castps_si512(_mm512_mul_ps(xm, r8m));
+    const __m512i yv = _mm512_castps_si512(_mm512_mul_ps(xv, r8v));
+    const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(fp8_magnitudes(ym, 0)), fp8_magnitudes(yv, 1), 1);
+    const __m256i codes = _mm512_cvtepi16_epi8(_mm512_srli_epi16(h, 7));
+    const __m128i low = _mm256_castsi256_si128(codes);
+    _mm_storeu_si128((__m128i *)qm, _mm_mask_add_epi8(low, _mm512_movepi32_mask(ym), low, sign));
+    _mm_storeu_si128((__m128i *)qv, _mm256_extracti128_si256(codes, 1));
 }
 #endif
 
@@ -290,12 +318,84 @@ static inline void finish(uint8_t *q, const float *x, float r8, int from) {
                                    : ((const float *)grad)[a + i];                                          \
         const float x = fp8_to_f32(v[a + i]) * vs;                                                          \
         float mi = fp8_to_f32(m[a + i]) * ms, vi = x < tiny ? tiny : x;                                     \
-        FN(p + a + i, gi * factor, &mi, &vi, c);                                                            \
+        FN(p + a + i, gi * factor, &mi, &vi, c, 1);                                                         \
         bm[i] = mi;                                                                                         \
         bv[i] = vi;                                                                                         \
         TOP_ABS(top_m, mi);                                                                                 \
         TOP_ABS(top_v, vi);                                                                                 \
     }
+#ifdef FP8_AVX512
+/* A full block's update 16 elements at a time (as many 16s as its vector body holds: the count returned), into
+ * bm / bv and the amaxes' bits in *top_m / *top_v, the pending block's codes (om / ov times r8m / r8v into
+ * pend_m / pend_v, both or neither) written alongside. Compiled once per combination of the gradient's dtype,
+ * torch's lerp form (`small`: from m, else back from g) and `scaled` (factor != 1; g * 1.0f is g, so an
+ * unclipped step skips the multiply). The second moment's codes and values are never negative (the caller
+ * checks its codes; v = (1 - b2) g^2 + b2 v_old with 1 - b2 >= 0 is +0 or more, or NaN), so its amax is the
+ * integer max of its bits as they are (a NaN above any number, of either sign), and its decoding and encoding
+ * skip the sign. The first moment's amax is vrangeps's max of magnitudes (NaN kept). */
+static inline __attribute__((always_inline)) int fp8_vector_block(
+    const int grad_bf16, const int small, const int scaled, float *p, const void *grad, const uint8_t *m,
+    const uint8_t *v, int64_t a, int64_t end, int nv, float ms, float vs, float factor, const Coef *c, float *bm,
+    float *bv, const float *om, const float *ov, uint8_t *pend_m, uint8_t *pend_v, float r8m, float r8v,
+    uint32_t *top_m, uint32_t *top_v) {
+    __m512 tm = _mm512_setzero_ps();
+    __m512i tv = _mm512_setzero_si512();
+    const __m512 ms256 = _mm512_set1_ps(ms * 256.0f), vs256 = _mm512_set1_ps(vs * 256.0f);
+    const __m512 vtiny = _mm512_set1_ps(vs * 0x1p-9f), fac = _mm512_set1_ps(factor), decay = _mm512_set1_ps(c->decay);
+    const __m512 lerp = _mm512_set1_ps(c->lerp_coeff), b2 = _mm512_set1_ps(c->beta2), c2 = _mm512_set1_ps(c->c2);
+    const __m512 ibc2 = _mm512_set1_ps(c->inv_bc2_sqrt), eps = _mm512_set1_ps(c->eps);
+    const __m512 nstep = _mm512_set1_ps(c->neg_step_size), r8mv = _mm512_set1_ps(r8m), r8vv = _mm512_set1_ps(r8v);
+    __m128i sign = _mm_set1_epi8((char)0x80);
+#define FP8_UPDATE16(I)                                                                                     \
+    do {                                                                                                    \
+        const int i_ = (I);                                                                                 \
+        const int64_t k = a + i_;                                                                           \
+        const __m512 gr = grad_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(          \
+                                          _mm256_loadu_si256((const __m256i *)((const uint16_t *)grad + k))), 16)) \
+                                    : _mm512_loadu_ps((const float *)grad + k);                             \
+        const __m512 g = scaled ? _mm512_mul_ps(gr, fac) : gr;                                              \
+        const __m512 mo = fp8x16_to_f32(m + k, ms256, 0);                                                   \
+        const __m512 vo = _mm512_max_ps(vtiny, fp8x16_to_f32(v + k, vs256, 1)); /* x < tiny ? tiny : x */   \
+        const __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + k), decay);                                     \
+        const __m512 mi = _mm512_fmadd_ps(lerp, _mm512_sub_ps(g, mo), small ? mo : g);                      \
+        const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(vo, b2));                  \
+        const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);                     \
+        _mm512_storeu_ps(p + k, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nstep, mi), den)));           \
+        _mm512_store_ps(bm + i_, mi);                                                                       \
+        _mm512_store_ps(bv + i_, vi);                                                                       \
+        tm = _mm512_range_ps(tm, mi, 0x0B); /* max of |tm|, |mi|, sign cleared */                          \
+        tv = _mm512_max_epu32(tv, _mm512_castps_si512(vi));                                                 \
+        __asm__("" : "+v"(sign)); /* kept in a register: GCC rebuilt the constant every time */             \
+        if (pend_m)                                                                                         \
+            fp8x32_store(_mm512_load_ps(om + i_), r8mv, _mm512_load_ps(ov + i_), r8vv, sign, pend_m + i_,   \
+                         pend_v + i_);                                                                      \
+    } while (0)
+    /* 64 elements per pass: their lines AHEAD prefetched one or two per 16 elements (a block's all at once
+     * issued 32 misses in a burst, more than the core's fill buffers hold: out of cache, 12M elements, 1 thread,
+     * ns per element 1.07 against 0.92), and a quarter of the loop's own instructions. */
+    int i0 = 0;
+    for (; i0 + 64 <= nv; i0 += 64) {
+        const int64_t ahead = a + i0 + AHEAD;
+        if (ahead + 64 <= end) {
+            for (int j = 0; j < 64; j += 16) __builtin_prefetch(p + ahead + j, 1, 3);
+            for (int j = 0; j < 64; j += 64 / (grad_bf16 ? 2 : 4))
+                __builtin_prefetch((const char *)grad + (ahead + j) * (grad_bf16 ? 2 : 4), 0, 3);
+            __builtin_prefetch(m + ahead, 1, 3);
+            __builtin_prefetch(v + ahead, 1, 3);
+        }
+        FP8_UPDATE16(i0);
+        FP8_UPDATE16(i0 + 16);
+        FP8_UPDATE16(i0 + 32);
+        FP8_UPDATE16(i0 + 48);
+    }
+    for (; i0 + 16 <= nv; i0 += 16) FP8_UPDATE16(i0);
+#undef FP8_UPDATE16
+    *top_m = _mm512_reduce_max_epu32(_mm512_and_si512(_mm512_castps_si512(tm), _mm512_set1_epi32(0x7FFFFFFF)));
+    *top_v = _mm512_reduce_max_epu32(tv);
+    return i0;
+}
+#endif
+
 static inline __attribute__((always_inline)) void loop_fp8_body(
     int grad_bf16, float *p, const void *grad, uint8_t *m, uint8_t *v, float *m_scale, float *v_scale,
     int64_t begin, int64_t end, int64_t nvec, const Coef *cc, float factor) {
@@ -323,7 +423,8 @@ static inline __attribute__((always_inline)) void loop_fp8_body(
         int i0 = 0, vector = 0;
 #ifdef FP8_AVX512
         const float *om = mf[cur ^ 1], *ov = vf[cur ^ 1];
-        vector = n == BLOCK && ms < 0x1p120f && vs < 0x1p120f && !nan_code(m + a) && !nan_code(v + a);
+        vector = n == BLOCK && ms < 0x1p120f && vs < 0x1p120f && c->c2 >= 0.0f && !codes_above(m + a, 0) &&
+                 !codes_above(v + a, 1);
 #endif
         if (!vector) { /* the vector loop prefetches as it goes */
             const int64_t f0 = a + AHEAD, f1 = a + AHEAD + BLOCK < end ? a + AHEAD + BLOCK : end;
@@ -337,44 +438,19 @@ static inline __attribute__((always_inline)) void loop_fp8_body(
         }
 #ifdef FP8_AVX512
         if (vector) {
-            __m512i tm = _mm512_setzero_si512(), tv = _mm512_setzero_si512();
-            const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
-            const __m512 ms256 = _mm512_set1_ps(ms * 256.0f), vs256 = _mm512_set1_ps(vs * 256.0f);
-            const __m512 vtiny = _mm512_set1_ps(tiny), fac = _mm512_set1_ps(factor), decay = _mm512_set1_ps(c->decay);
-            const __m512 lerp = _mm512_set1_ps(c->lerp_coeff), b2 = _mm512_set1_ps(c->beta2), c2 = _mm512_set1_ps(c->c2);
-            const __m512 bc2 = _mm512_set1_ps(c->bc2_sqrt), eps = _mm512_set1_ps(c->eps);
-            const __m512 nstep = _mm512_set1_ps(c->neg_step_size), r8mv = _mm512_set1_ps(r8m), r8vv = _mm512_set1_ps(r8v);
-            const int small = c->lerp_small; /* torch's lerp: from m, or back from g (a local: not reloaded) */
-            for (; i0 + 16 <= nv; i0 += 16) {
-                const int64_t k = a + i0, ahead = k + AHEAD;
-                if (ahead < end) { /* a line of p each time, of the others as their 16 elements fill one */
-                    __builtin_prefetch(p + ahead, 1, 3);
-                    if (!grad_bf16 || !(i0 & 31)) __builtin_prefetch((const char *)grad + ahead * (grad_bf16 ? 2 : 4), 0, 3);
-                    if (!(i0 & 63)) {
-                        __builtin_prefetch(m + ahead, 1, 3);
-                        __builtin_prefetch(v + ahead, 1, 3);
-                    }
-                }
-                const __m512 gr = grad_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                                  _mm256_loadu_si256((const __m256i *)((const uint16_t *)grad + k))), 16))
-                                            : _mm512_loadu_ps((const float *)grad + k);
-                const __m512 g = _mm512_mul_ps(gr, fac);
-                const __m512 mo = fp8x16_to_f32(m + k, ms256);
-                const __m512 vo = _mm512_max_ps(vtiny, fp8x16_to_f32(v + k, vs256)); /* x < tiny ? tiny : x */
-                const __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + k), decay);
-                const __m512 mi = _mm512_fmadd_ps(lerp, _mm512_sub_ps(g, mo), small ? mo : g);
-                const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(vo, b2));
-                const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2), eps);
-                _mm512_storeu_ps(p + k, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nstep, mi), den)));
-                _mm512_store_ps(bm + i0, mi);
-                _mm512_store_ps(bv + i0, vi);
-                tm = _mm512_max_epu32(tm, _mm512_and_si512(_mm512_castps_si512(mi), absmask));
-                tv = _mm512_max_epu32(tv, _mm512_and_si512(_mm512_castps_si512(vi), absmask));
-                if (pend_m) _mm_storeu_si128((__m128i *)(pend_m + i0), f32x16_to_fp8(_mm512_load_ps(om + i0), r8mv));
-                if (pend_v) _mm_storeu_si128((__m128i *)(pend_v + i0), f32x16_to_fp8(_mm512_load_ps(ov + i0), r8vv));
+            if (!pend_m != !pend_v) { /* one moment's block deferred (the other's quantiser was tiny): now */
+                finish(pend_m, om, r8m, 0);
+                finish(pend_v, ov, r8v, 0);
+                pend_m = pend_v = NULL;
             }
-            top_m = _mm512_reduce_max_epu32(tm);
-            top_v = _mm512_reduce_max_epu32(tv);
+#define FP8_VECTOR(SMALL, SCALED)                                                                           \
+    fp8_vector_block(grad_bf16, SMALL, SCALED, p, grad, m, v, a, end, nv, ms, vs, factor, c, bm, bv, om, ov,    \
+                     pend_m, pend_v, r8m, r8v, &top_m, &top_v)
+            if (factor != 1.0f)
+                i0 = c->lerp_small ? FP8_VECTOR(1, 1) : FP8_VECTOR(0, 1);
+            else
+                i0 = c->lerp_small ? FP8_VECTOR(1, 0) : FP8_VECTOR(0, 0);
+#undef FP8_VECTOR
         }
         finish(pend_m, om, r8m, i0);
         finish(pend_v, ov, r8v, i0);
@@ -424,17 +500,21 @@ void mt_adamw(float *param, const void *grad, void *exp_avg, void *exp_avg_sq, f
 }
 
 /* For tests/runtime/test_host_kernel.py: the vector conversions' mismatches against the element functions, over
- * every code (scale 1) and every `stride`-th fp32 bit pattern of [0, 448] and 256 ulps past it (as clamped to
- * 448), each of both signs; -1 where the vector code is not built (no AVX-512 where it was compiled). */
+ * every code (scale 1; the positive decoding over those below 0x7f) and every `stride`-th fp32 bit pattern of
+ * [0, 448] and 256 ulps past it (as clamped to 448), each of both signs (fp8x32_store's second half: their
+ * magnitudes); -1 where the vector code is not built (no AVX-512 where it was compiled). */
 int64_t mt_fp8_check(uint32_t stride) {
 #ifdef FP8_AVX512
     int64_t bad = 0;
-    uint8_t q[16];
-    float x[16];
-    for (int c = 0; c < 256; c += 16) {
+    uint8_t q[16], qm[16], qv[16];
+    float x[16], y[16];
+    for (int c = 0; c < 256; c += 16) { /* both decodings (`positive`: of the codes below 0x7f) */
         for (int j = 0; j < 16; j++) q[j] = (uint8_t)(c + j);
-        _mm512_storeu_ps(x, fp8x16_to_f32(q, _mm512_set1_ps(256.0f)));
-        for (int j = 0; j < 16; j++) bad += (q[j] & 0x7f) != 0x7f && bits(x[j]) != bits(fp8_to_f32(q[j]));
+        _mm512_storeu_ps(x, fp8x16_to_f32(q, _mm512_set1_ps(256.0f), 0));
+        _mm512_storeu_ps(y, fp8x16_to_f32(q, _mm512_set1_ps(256.0f), 1));
+        for (int j = 0; j < 16; j++)
+            bad += ((q[j] & 0x7f) != 0x7f && bits(x[j]) != bits(fp8_to_f32(q[j]))) ||
+                   (q[j] < 0x7f && bits(y[j]) != bits(fp8_to_f32(q[j])));
     }
     const uint64_t top = 0x43E00100u, step = stride ? stride : 1; /* 256 ulps past 448: as clamped */
     for (uint64_t u0 = 0; u0 <= top; u0 += 8 * step) {
@@ -442,10 +522,13 @@ int64_t mt_fp8_check(uint32_t stride) {
             const uint64_t u = u0 + (uint64_t)(j % 8) * step;
             x[j] = from_bits((uint32_t)(u < top ? u : top) | (j < 8 ? 0u : 0x80000000u));
         }
-        _mm_storeu_si128((__m128i *)q, f32x16_to_fp8(_mm512_loadu_ps(x), _mm512_set1_ps(0x1p-8f)));
+        const __m512 r8 = _mm512_set1_ps(0x1p-8f), xs = _mm512_loadu_ps(x);
+        _mm_storeu_si128((__m128i *)q, f32x16_to_fp8(xs, r8));
+        fp8x32_store(xs, r8, _mm512_abs_ps(xs), r8, _mm_set1_epi8((char)0x80), qm, qv); /* v's half: |x| */
         for (int j = 0; j < 16; j++) {
             const float clamped = fabsf(x[j]) <= 448.0f ? x[j] : copysignf(448.0f, x[j]);
-            bad += q[j] != f32_to_fp8(clamped) || q[j] != (uint8_t)finite_to_fp8(x[j]);
+            bad += q[j] != f32_to_fp8(clamped) || q[j] != (uint8_t)finite_to_fp8(x[j]) || qm[j] != q[j] ||
+                   qv[j] != f32_to_fp8(fabsf(clamped));
         }
     }
     return bad;

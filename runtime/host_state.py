@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.optim.adamw import adamw as functional_adamw
 
@@ -108,6 +109,7 @@ class _Scratch:
         self.g, self.m, self.v = torch.empty(n), torch.empty(n), torch.empty(n)
         self.index = torch.empty(n, dtype=torch.int32) if fp8 else None
         self.work = torch.empty(n) if fp8 else None
+        self.p, self.den = (torch.zeros(n), torch.empty(n)) if fp8 else (None, None)
 
 
 # every float8_e4m3fn value by its bit pattern: a table lookup expands fp8 to fp32 5x faster than torch's own
@@ -270,7 +272,11 @@ def _compressed(policy: HostPolicy, params, grads, moments, steps, cfg, lr, wd, 
             else:
                 mc.copy_(m[a:b])
                 vc.copy_(v[a:b])
-            _fused([p[a:b]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
+            if fp8:  # the moments as the fused kernel updates them; the weights divided once (_fp8_update)
+                _fused([scratch.p[:n]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
+                _fp8_update(p[a:b], mc, vc, scratch.den[:n], scratch.work[:n], cfg, lr, wd, float(step) + 1)
+            else:
+                _fused([p[a:b]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
             if fp8:
                 _quant(mc, m[a:b], mom.avg_scale[blocks], scratch.work)
                 _quant(vc, v[a:b], mom.sq_scale[blocks], scratch.work)
@@ -278,6 +284,26 @@ def _compressed(policy: HostPolicy, params, grads, moments, steps, cfg, lr, wd, 
                 m[a:b].copy_(mc)
                 v[a:b].copy_(vc)
         step.add_(1)
+
+
+def _f32(x: float) -> float:
+    return torch.tensor(x, dtype=torch.float32).item()
+
+
+def _fp8_update(p, m, v, den, upd, cfg: TrainSpec, lr: float, wd: float, step: float) -> None:
+    """The fp8 policy's weight update from the updated moments m, v: p (1 - lr wd) + (-lr / bc1) m / den with
+    den = sqrt(v) x (1 / sqrt(bc2)) + eps, each operation rounded to fp32 once (separate torch ops). Torch's
+    kernel divides sqrt(v) by sqrt(bc2) instead: a second division per element, which on a core whose divider
+    is the fp8 loop's bottleneck costs 10% of the step (host_kernel.c FP8_DEN); the two differ by an ulp of den
+    at most, which the policy's quality measurement (docs/RESULTS.md) covers. The coefficients are host_kernel.c
+    `coefficients`' in double, cast to fp32."""
+    b1, b2 = cfg.betas
+    np.sqrt(v.numpy(), out=den.numpy())  # NOTE: torch.sqrt is MKL's on CPU, not correctly rounded (numpy's is)
+    den.mul_(_f32(1 / math.sqrt(1 - b2**step))).add_(_f32(cfg.eps))
+    torch.mul(m, _f32(-(lr / (1 - b1**step))), out=upd).div_(den)
+    if wd != 0:
+        p.mul_(_f32(1 - lr * wd))
+    p.add_(upd)
 
 
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
