@@ -275,12 +275,13 @@ static void quant_fp8(const float *x, int n, uint32_t top, float s, uint8_t *q) 
     }
 }
 
-/* A block's requantisation: now (quant_fp8), or, for a full finite block with AVX-512, deferred: the result is
+/* A block's requantisation: now (quant_fp8), or, for a finite block the vector loop updated (`vector`: full,
+ * and its second moment never negative, which fp8x32_store's sign-free half needs), deferred: the result is
  * where its codes go (NULL: written) and *r8 its quantiser x 2^-8, for the next block's update loop (finish). */
-static inline uint8_t *requant(const float *x, int n, uint32_t top, float s, uint8_t *q, float *r8) {
+static inline uint8_t *requant(const float *x, int n, uint32_t top, float s, uint8_t *q, float *r8, int vector) {
 #ifdef FP8_AVX512
-    const float r = block_quantiser(top); /* NaN for a NaN block: the compare fails */
-    if (n == BLOCK && top <= 0x7F7FFFFFu && r >= 0x1p-118f) {
+    const float r = block_quantiser(top); /* (a non-finite block fails the test on top) */
+    if (vector && top <= 0x7F7FFFFFu && r >= 0x1p-118f) {
         *r8 = r * 0x1p-8f;
         return q;
     }
@@ -330,7 +331,7 @@ static inline void finish(uint8_t *q, const float *x, float r8, int from) {
  * pend_m / pend_v, both or neither) written alongside. Compiled once per combination of the gradient's dtype,
  * torch's lerp form (`small`: from m, else back from g) and `scaled` (factor != 1; g * 1.0f is g, so an
  * unclipped step skips the multiply). The second moment's codes and values are never negative (the caller
- * checks its codes; v = (1 - b2) g^2 + b2 v_old with 1 - b2 >= 0 is +0 or more, or NaN), so its amax is the
+ * checks its codes and scale; v = (1 - b2) g^2 + b2 v_old with 1 - b2 >= 0 is +0 or more, or NaN), so its amax is the
  * integer max of its bits as they are (a NaN above any number, of either sign), and its decoding and encoding
  * skip the sign. The first moment's amax is vrangeps's max of magnitudes (NaN kept). */
 static inline __attribute__((always_inline)) int fp8_vector_block(
@@ -423,8 +424,8 @@ static inline __attribute__((always_inline)) void loop_fp8_body(
         int i0 = 0, vector = 0;
 #ifdef FP8_AVX512
         const float *om = mf[cur ^ 1], *ov = vf[cur ^ 1];
-        vector = n == BLOCK && ms < 0x1p120f && vs < 0x1p120f && c->c2 >= 0.0f && !codes_above(m + a, 0) &&
-                 !codes_above(v + a, 1);
+        vector = n == BLOCK && ms < 0x1p120f && vs >= 0.0f && vs < 0x1p120f && c->c2 >= 0.0f &&
+                 !codes_above(m + a, 0) && !codes_above(v + a, 1); /* v >= 0: fp8_vector_block */
 #endif
         if (!vector) { /* the vector loop prefetches as it goes */
             const int64_t f0 = a + AHEAD, f1 = a + AHEAD + BLOCK < end ? a + AHEAD + BLOCK : end;
@@ -460,8 +461,8 @@ static inline __attribute__((always_inline)) void loop_fp8_body(
         const float sm = block_scale(top_m), sv = block_scale(top_v);
         m_scale[a / BLOCK] = sm;
         v_scale[a / BLOCK] = sv;
-        pend_m = requant(bm, n, top_m, sm, m + a, &r8m);
-        pend_v = requant(bv, n, top_v, sv, v + a, &r8v);
+        pend_m = requant(bm, n, top_m, sm, m + a, &r8m, vector);
+        pend_v = requant(bv, n, top_v, sv, v + a, &r8v, vector);
     }
 #ifdef FP8_AVX512
     finish(pend_m, mf[cur ^ 1], r8m, 0);

@@ -298,7 +298,8 @@ def _fp8_update(p, m, v, den, upd, cfg: TrainSpec, lr: float, wd: float, step: f
     at most, which the policy's quality measurement (docs/RESULTS.md) covers. The coefficients are host_kernel.c
     `coefficients`' in double, cast to fp32."""
     b1, b2 = cfg.betas
-    np.sqrt(v.numpy(), out=den.numpy())  # NOTE: torch.sqrt is MKL's on CPU, not correctly rounded (numpy's is)
+    with np.errstate(invalid="ignore"):  # a negative v (a corrupt state) gives NaN, as the fused kernel's
+        np.sqrt(v.numpy(), out=den.numpy())  # NOTE: torch.sqrt is MKL's on CPU, not correctly rounded (numpy's is)
     den.mul_(_f32(1 / math.sqrt(1 - b2**step))).add_(_f32(cfg.eps))
     torch.mul(m, _f32(-(lr / (1 - b1**step))), out=upd).div_(den)
     if wd != 0:

@@ -159,6 +159,35 @@ def test_every_finite_fp8_byte_in_a_full_block_expands_as_torch_does():
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_odd_fp8_state_gives_the_same_bits():
+    """Stored fp8 state the vector loop must hand over or handle: negative and -0 scales (a corrupt checkpoint;
+    a negative second moment's scale would break its sign-free codes), and a block whose first moment is so
+    large that its quantiser is below 2^-118 (requantised at once) while its second moment's requantisation is
+    deferred into the next block's loop alone."""
+    assert host_kernel.available(), host_kernel.why_not()
+    shapes = [(3 * FP8_BLOCK,), (3 * FP8_BLOCK + 5,)]
+    runs = []
+    for one_pass in (False, True):
+        gen, params, moments, steps = _state("fp8", shapes, 9)
+        ordinary = torch.randint(0x08, 0x70, (2, *shapes[1]), generator=gen, dtype=torch.uint8)
+        for mom, n in zip(moments, (s[0] for s in shapes)):
+            mom.exp_avg.view(torch.uint8).copy_(ordinary[0, :n] | (ordinary[1, :n] & 0x80))
+            mom.exp_avg_sq.view(torch.uint8).copy_(ordinary[1, :n])
+        moments[0].exp_avg.view(torch.uint8)[:FP8_BLOCK] = 0x7E  # 448 x 2^119 ~ 2.7e38 after the step
+        moments[0].avg_scale.copy_(torch.tensor([2.0**119, 1e-4, 3e-4]))
+        moments[0].sq_scale.copy_(torch.tensor([1e-9, 2e-9, 1e-9]))
+        moments[1].avg_scale.copy_(torch.tensor([-1e-4, 1e-4, -0.0, 1e-4]))
+        moments[1].sq_scale.copy_(torch.tensor([-1e-9, -0.0, 1e-9, -1e-9]))
+        steps = [torch.ones(()) for _ in shapes]
+        grads = [(torch.randn(s, generator=gen) * 1e-3).to(grad_dtype("fp8")) for s in shapes]
+        host_state._step("fp8", params, grads, moments, steps, CFG, 3e-3, [True, False], None, one_pass)
+        runs.append([*params, *(t for mom in moments for t in mom.tensors().values())])
+    _assert_same_bits(runs[0], runs[1], "odd fp8 state")
+    assert float(runs[0][2].view(torch.float8_e4m3fn)[:FP8_BLOCK].float().abs().max()) == 448.0  # not vacuous
+    assert runs[0][4][0] > 2.0**118  # that block's quantiser, 1 / its scale, is below 2^-118: not vacuous
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
 def test_the_vector_fp8_conversions_agree_with_c10s_on_every_input():
     """host_kernel.c's AVX-512 conversions against its element functions (c10's rounding), exhaustively: all
     256 codes expanded, and every fp32 of [-448, 448] rounded to e4m3 (2.3e9 values, about 10 s), and the
