@@ -7,6 +7,8 @@ host_state.adamw_step on the eager model's parameters. `exact` against torch.opt
 tests/runtime/test_exactness.py.
 """
 
+import math
+
 import pytest
 import torch
 from runtime_schedules import make_batches, plans_by_shape, streamed_train
@@ -144,9 +146,9 @@ def test_policies_bytes_per_param():
 
 
 def test_fp8_blocks_round_trip_and_floor():
-    """Blocks of FP8_BLOCK from the parameter's first element, scale = the least power of two with amax /
-    scale <= 448: values within 1/16 of themselves (3 mantissa bits), an all-zero block keeps scale 0, the
-    second moment never dequantises to 0 inside a non-zero block."""
+    """Blocks of FP8_BLOCK from the parameter's first element, scale = the block's amax / 448: values within
+    1/16 of themselves (3 mantissa bits), an all-zero block keeps scale 0, the second moment never dequantises
+    to 0 inside a non-zero block."""
     torch.manual_seed(0)
     n = 3 * FP8_BLOCK + 17
     x = torch.randn(n) * torch.logspace(-3, 0, n)
@@ -165,6 +167,29 @@ def test_fp8_blocks_round_trip_and_floor():
     host_state._dequant(q, scale, back, floor=True)
     nonzero = torch.repeat_interleave(scale, FP8_BLOCK)[:n] > 0
     assert (back[nonzero] > 0).all() and (back[~nonzero] == 0).all()
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_fp8_weight_update_is_its_formula_in_fp32(wd):
+    """fp8's weight update from its updated moments (host_state._fp8_update, host_kernel.c FP8_DEN), against
+    numpy's IEEE fp32: p (1 - lr wd) + (-lr / bc1) m / (sqrt(v) x (1 / sqrt(bc2)) + eps), every operation
+    rounded once, on sizes with vector bodies and tails, v from subnormal to large."""
+    import numpy as np
+
+    gen = torch.Generator().manual_seed(4)
+    cfg = TrainSpec(micro_batch=1, seq_len=1, weight_decay=wd)
+    lr, step = 3e-3, 7.0
+    for n in (1, 13, 1000, 4099):
+        p, m = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
+        v = torch.rand(n, generator=gen) * torch.logspace(-44, 2, n)
+        want = p.numpy().copy()
+        f = np.float32
+        b1, b2 = cfg.betas
+        den = np.sqrt(v.numpy()) * f(1 / math.sqrt(1 - b2**step)) + f(cfg.eps)
+        upd = m.numpy() * f(-(lr / (1 - b1**step))) / den
+        want = (want * f(1 - lr * wd) if wd else want) + upd
+        host_state._fp8_update(p, m, v, torch.empty(n), torch.empty(n), cfg, lr, wd, step)
+        assert want.dtype == np.float32 and np.array_equal(p.numpy().view(np.uint32), want.view(np.uint32)), n
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
