@@ -21,10 +21,12 @@ rounds back, the clip factor applied as below. Otherwise the same update runs as
   scratch, the fused kernel updates master and scratch, and the moments are rounded back: bf16 by
   round-to-nearest-even; fp8 as float8_e4m3fn per FP8_BLOCK-element block (blocks start at each parameter's
   first element) with an fp32 scale = block amax / 448, rounded as x times 448 / amax (`_quantiser`: a
-  multiply, not a division per element). A dequantised second moment is floored at its block's least positive
-  step (scale x 2^-9), so a value that underflowed to 0 never divides a non-zero first moment by eps alone; an
-  all-zero block keeps scale 0. Results do not depend on the chunk size (elementwise math, blocks inside
-  chunks), only on the values.
+  multiply, not a division per element). A dequantised second moment is floored at its block's least
+  positive step (scale x 2^-9), so a value that underflowed to 0 never divides a non-zero first moment by eps
+  alone; an all-zero block keeps scale 0. Under fp8 the fused kernel updates only the moments; the weights
+  take `_fp8_update`, whose denominator multiplies by 1 / sqrt(bc2) where torch's divides by sqrt(bc2): one
+  division per element instead of two, for the one-pass loop's speed (host_kernel.c FP8_DEN). Results do not
+  depend on the chunk size (elementwise math, blocks inside chunks), only on the values.
 - The NaN/inf verdict is not taken here: the store reads it from the gradient norms the device computed
   (a non-finite norm is a non-finite or overflowing gradient) and skips the whole update; `update_bound`
   lets it refuse, before any weight changes, an update that could overflow fp32 (an absurd learning rate),
