@@ -78,6 +78,19 @@ def gpu_pci_address(index: int) -> str | None:
     return f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
 
 
+def largest_cache_bytes(sysfs: str | Path = "/sys") -> int | None:
+    """The largest cache the first CPU reports (sysfs cpu0/cache/index*/size, e.g. "491520K": its last level),
+    None where sysfs does not say: what a timing streams through to leave none of its data in cache."""
+    sizes = []
+    for f in Path(sysfs, "devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1))
+        except (OSError, ValueError):
+            continue
+    return max(sizes, default=None)
+
+
 def thread_budget(kind: str, n_cores: int, host_threads: int | None = None) -> dict[str, int]:
     """Intra-op threads per stream worker on `n_cores` cores (on sim: the constructing thread's threads; module
     docstring)."""

@@ -285,6 +285,8 @@ static inline uint8_t *requant(const float *x, int n, uint32_t top, float s, uin
         *r8 = r * 0x1p-8f;
         return q;
     }
+#else
+    (void)r8, (void)vector;
 #endif
     quant_fp8(x, n, top, s, q);
     return NULL;

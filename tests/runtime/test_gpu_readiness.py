@@ -77,6 +77,22 @@ def test_cpu_lists_and_the_gpus_numa_node_from_sysfs(tmp_path):
     assert numa_cores("0000:99:00.0", tmp_path) == (None, [])
 
 
+def test_the_largest_cache_from_sysfs(tmp_path):
+    """What host_state.step_rate flushes twice over: the largest of cpu0's caches, None where sysfs says nothing
+    readable."""
+    from megatrain.runtime.cpus import largest_cache_bytes
+
+    assert largest_cache_bytes(tmp_path) is None
+    cache = tmp_path / "devices/system/cpu/cpu0/cache"
+    for i, size in enumerate(["48K", "2048K", "491520K", "garbage"]):
+        (cache / f"index{i}").mkdir(parents=True)
+        (cache / f"index{i}" / "size").write_text(size + "\n")
+    assert largest_cache_bytes(tmp_path) == 491520 * 1024
+    (cache / "index4").mkdir()
+    (cache / "index4" / "size").write_text("1G\n")
+    assert largest_cache_bytes(tmp_path) == 1 << 30
+
+
 @pytest.mark.parametrize("cores, want", [(16, {"compute": 1, "h2d": 2, "d2h": 1, "comm": 1, "host": 11}),
                                          (4, {"compute": 1, "h2d": 1, "d2h": 1, "comm": 1, "host": 1}),
                                          (2, {"compute": 1, "h2d": 1, "d2h": 1, "comm": 1, "host": 1})])
