@@ -34,7 +34,7 @@ import torch
 from megatrain.planner import probe as probe_module
 from megatrain.planner.host_policy import ORDER, POLICIES
 from megatrain.planner.train import TrainSpec
-from megatrain.runtime import host_kernel
+from megatrain.runtime import host_kernel, host_memory
 from megatrain.runtime.host_state import OMP_SETTLE_S, Moments, _step, grad_dtype, new_moments
 
 CFG = TrainSpec(micro_batch=1, seq_len=8, lr=1e-4, clip_norm=1.0)
@@ -47,8 +47,9 @@ class Unit:
         self.one_pass = one_pass
         big = (params - 4096) // 2
         self.shapes = [(big,), (big,), (4096,)]
-        self.params = [torch.randn(s) * 0.02 for s in self.shapes]
-        self.grads = [(torch.randn(s) * 1e-3).to(grad_dtype(policy)) for s in self.shapes]
+        # allocated as the host store allocates (huge pages where Linux gives them: runtime/host_memory.py)
+        self.params = [host_memory.empty(s, torch.float32).copy_(torch.randn(s) * 0.02) for s in self.shapes]
+        self.grads = [host_memory.empty(s, grad_dtype(policy)).copy_(torch.randn(s) * 1e-3) for s in self.shapes]
         self.moments = [new_moments(policy, s) for s in self.shapes]
         self.steps = [torch.zeros(()) for _ in self.shapes]
         self.policy, self.n = policy, sum(p.numel() for p in self.params)
@@ -63,7 +64,7 @@ class Legacy(Unit):
 
     def __init__(self, params: int):
         super().__init__("exact", params)
-        self.copies = [torch.empty(s, dtype=torch.bfloat16) for s in self.shapes]
+        self.copies = [host_memory.empty(s, torch.bfloat16) for s in self.shapes]
 
     def step(self, clip: torch.Tensor | None) -> None:
         norms = [torch.linalg.vector_norm(g) for g in self.grads]  # the clip norm re-read the gradients

@@ -313,8 +313,9 @@ static inline void finish(uint8_t *q, const float *x, float r8, int from) {
  * block's amax of each moment, then each block requantised. The second moment's floor max(x, tiny) is
  * `x < tiny ? tiny : x`, NaN kept (it compares false; tiny is NaN only where the scale is, and then x is NaN
  * too), as torch.maximum does; _mm512_max_ps(tiny, x) is the same select. The vector loop takes a full block
- * whose scales are below 2^120 (256 s exact) and whose codes hold no NaN; any other block, the elements past
- * the last 16 of the vector body and torch's scalar tail take FP8_ELEMENTS. */
+ * whose scales are below 2^120 (256 s exact), whose first moment's codes hold no NaN and whose second moment's
+ * codes and scale are not negative (only a corrupt state's are); any other block, the elements past the last
+ * 16 of the vector body and torch's scalar tail take FP8_ELEMENTS, with the same formulas. */
 #define FP8_ELEMENTS(FN, FROM, TO)                                                                          \
     for (int i = (FROM); i < (TO); i++) {                                                                   \
         const float gi = grad_bf16 ? bf16_to_f32(((const uint16_t *)grad)[a + i])                           \

@@ -45,7 +45,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from megatrain.planner.host_policy import FP8_BLOCK, HostPolicy, resolve
 from megatrain.planner.train import TrainSpec
 
-from . import cpus, host_kernel
+from . import cpus, host_kernel, host_memory
 
 # NOTE: with several threads a torch op's OpenMP team spins on its cores for a while after it (libgomp's wait
 # policy) and takes them from a host step timed right after: bf16's rate measured 24-25 GB/s right after a
@@ -88,10 +88,11 @@ def n_blocks(numel: int) -> int:
 
 
 def new_moments(policy: HostPolicy | str, shape: tuple[int, ...]) -> Moments:
-    """Zero moments for one parameter of `shape` (the eager reference's state)."""
+    """Zero moments for one parameter of `shape` (the eager reference's state), on huge pages where Linux
+    gives them (host_memory.advise_huge_pages), as the host store's are."""
     policy, numel = resolve(policy), math.prod(shape)
     dtype = moment_dtype(policy)
-    m = Moments(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+    m = Moments(host_memory.empty(shape, dtype).zero_(), host_memory.empty(shape, dtype).zero_())
     if policy.moments == "fp8":
         m.avg_scale, m.sq_scale = torch.zeros(n_blocks(numel)), torch.zeros(n_blocks(numel))
     return m
@@ -220,8 +221,8 @@ def step_rate(policy: HostPolicy | str, numel: int, repeats: int = 5, clip: bool
     policy = resolve(policy)
     big = max(1, (numel - 4096) // 2)
     shapes = [(big,), (big,), (4096,)]
-    params = [torch.randn(s) * 0.02 for s in shapes]
-    grads = [(torch.randn(s) * 1e-3).to(grad_dtype(policy)) for s in shapes]
+    params = [host_memory.empty(s, torch.float32).copy_(torch.randn(s) * 0.02) for s in shapes]  # as the store's
+    grads = [host_memory.empty(s, grad_dtype(policy)).copy_(torch.randn(s) * 1e-3) for s in shapes]
     moments = [new_moments(policy, s) for s in shapes]
     steps = [torch.zeros(()) for _ in shapes]
     cfg = TrainSpec(micro_batch=1, seq_len=1)

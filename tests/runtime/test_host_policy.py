@@ -102,6 +102,39 @@ def test_allocated_host_bytes_equal_the_plan(policy, dtype, clip):
         assert sum(seen.values()) == store.host_bytes()
 
 
+def test_host_buffers_are_advised_huge_pages_before_first_touch(monkeypatch):
+    """host_memory.advise_huge_pages: madvise(MADV_HUGEPAGE) on exactly the whole 2 MiB pages inside a tensor
+    (none for a smaller one), and the arena advises every buffer it hands out, the pinned region included,
+    before registering it."""
+    from megatrain.runtime import host_memory as hm
+
+    calls = []
+
+    class Libc:
+        @staticmethod
+        def madvise(addr, length, advice):
+            calls.append((addr, length, advice))
+            return 0
+
+    monkeypatch.setattr(hm, "_libc", Libc)
+    monkeypatch.setattr(hm.sys, "platform", "linux")
+    t = torch.empty(3 * hm.HUGE_PAGE + 12345, dtype=torch.uint8)
+    assert hm.advise_huge_pages(t)
+    (addr, length, advice), = calls
+    start, end = t.data_ptr(), t.data_ptr() + t.numel()
+    assert advice == hm.MADV_HUGEPAGE and addr % hm.HUGE_PAGE == 0 and length % hm.HUGE_PAGE == 0
+    assert start <= addr < start + hm.HUGE_PAGE and end - hm.HUGE_PAGE < addr + length <= end
+    assert not hm.advise_huge_pages(torch.empty(1000)) and len(calls) == 1  # no whole huge page inside
+    advised = []
+    monkeypatch.setattr(hm, "advise_huge_pages", lambda x: advised.append(x.data_ptr()) or True)
+    arena = hm.HostArena("sim")
+    out = arena.allocate([hm.HostBuffer("a", "moments", (1 << 20,), torch.float32, False),
+                          hm.HostBuffer("b", "master_fp32", (1 << 20,), torch.float32, True),
+                          hm.HostBuffer("c", "grads", (1000,), torch.bfloat16, True)])
+    assert out["a"].data_ptr() in advised and len(advised) == 2  # the pageable buffer and the one region
+    assert arena._regions[0].data_ptr() in advised
+
+
 @pytest.mark.parametrize("policy", ["exact", "fp8"])
 def test_a_tied_head_holds_no_host_state_for_the_shared_weight(policy):
     """The head borrows the embedding's weight: its master and moments hold only its own parameters (the
