@@ -280,12 +280,10 @@ def _compressed(policy: HostPolicy, params, grads, moments, steps, cfg, lr, wd, 
             if fp8:  # the moments as the fused kernel updates them; the weights divided once (_fp8_update)
                 _fused([scratch.p[:n]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
                 _fp8_update(p[a:b], mc, vc, scratch.den[:n], scratch.work[:n], cfg, lr, wd, float(step) + 1)
-            else:
-                _fused([p[a:b]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
-            if fp8:
                 _quant(mc, m[a:b], mom.avg_scale[blocks], scratch.work)
                 _quant(vc, v[a:b], mom.sq_scale[blocks], scratch.work)
             else:
+                _fused([p[a:b]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
                 m[a:b].copy_(mc)
                 v[a:b].copy_(vc)
         step.add_(1)
@@ -299,7 +297,7 @@ def _fp8_update(p, m, v, den, upd, cfg: TrainSpec, lr: float, wd: float, step: f
     """The fp8 policy's weight update from the updated moments m, v: p (1 - lr wd) + (-lr / bc1) m / den with
     den = sqrt(v) x (1 / sqrt(bc2)) + eps, each operation rounded to fp32 once (separate torch ops). Torch's
     kernel divides sqrt(v) by sqrt(bc2) instead: a second division per element, which on a core whose divider
-    is the fp8 loop's bottleneck costs 10% of the step (host_kernel.c FP8_DEN); the two differ by an ulp of den
+    binds the fp8 loop cost it 9% in cache, 4% from DRAM (host_kernel.c FP8_DEN); the two differ by an ulp of den
     at most, which the policy's quality measurement (docs/RESULTS.md) covers. The coefficients are host_kernel.c
     `coefficients`' in double, cast to fp32."""
     b1, b2 = cfg.betas
