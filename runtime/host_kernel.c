@@ -8,15 +8,27 @@
  * first moment's lerp fma(w, g - m, m) (torch's explicit fmadd) and the second moment fma(c2 g, g, v b2); in
  * the scalar tail, the last (numel mod 8) elements of a tensor (`nvec` says where it starts; host_kernel.py
  * LANES), the same lerp and fma(v, b2, (c2 g) g). The storage conversions are c10's: bf16 by round-to-nearest-
- * even, float8_e4m3fn by fp8e4m3fn_from_fp32_value, fp8 blocks scaled as host_state.py's torch path does.
+ * even, float8_e4m3fn by fp8e4m3fn_from_fp32_value after a first rounding to fp16 (FP8_CODES), fp8 blocks scaled
+ * as host_state.py's torch path does.
  * host_kernel.py checks the result against that path bit for bit before a machine uses this code, so a torch
  * built with other contractions runs the torch path instead.
  *
- * FP8_DEN: with fp8 moments the denominator is sqrt(v) x (1 / sqrt(bc2)) + eps (host_state._fp8_update), not
- * torch's sqrt(v) / sqrt(bc2) + eps: one division and one square root per element instead of two and one. The
- * core's divider does 16 lanes of either in 10-12 cycles (measured here: zmm div 2.6 ns, sqrt 3.1 ns at about
- * 3.85 GHz), so torch's form alone held the fp8 loop to 0.52 ns per element, above 0.8 of the memory bound
- * (0.58 at one thread); with one division the loop measured 0.578 against 0.633 ns (in cache, C driver).
+ * FP8_UPDATE: with fp8 moments the weights take host_state._fp8_update, not torch's formula: den = fma(sqrt(v),
+ * 1 / sqrt(bc2), eps) and p' = fma(p, 1 - lr wd, (-lr / bc1) m / den): one division, one square root and two
+ * fused multiply-adds per element where torch's has two divisions and four more separate operations. The fp8
+ * loop is bound by the core's vector ports and its divider, not by memory, on a core that streams 31 GB/s
+ * (2-core Xeon VM, AVX-512, 16 elements cost about 50 vector operations besides the division and square root).
+ *
+ * FP8_CODES: fp8 moments are rounded to float8_e4m3fn in two steps, first to fp16 at a scale of 1 / 256 (fp16's
+ * 11 significant bits, its subnormal step 2^-16 below 2^-6), then to e4m3 by round-to-nearest-even
+ * (host_state._quant: x r / 256 to float16, times 256, to float8_e4m3fn). A value within 2^-8 of a step of an
+ * e4m3 midpoint (2^-7 of values) lands on it and goes to the even neighbour, the wrong one for half of them:
+ * the error stays under 0.504 of a step. Two steps because the vector loop then converts with vcvtps2ph and
+ * rounds 32 codes at a time as 16-bit integers: 17 vector operations per 16 elements of both moments, not 27.
+ *
+ * Both measured with benchmarks/host_kernel_driver.c (ns per element, in cache / from DRAM on huge pages): c10's
+ * rounding and separate operations 0.575-0.583 / 0.631-0.639, FP8_CODES 0.508-0.516 / 0.568-0.576, and
+ * FP8_UPDATE 0.490-0.494 / 0.558-0.559.
  */
 #include <math.h>
 #include <stdint.h>
@@ -95,31 +107,33 @@ static Coef coefficients(const Hyper *h) {
     return c;
 }
 
-/* AdamW's denominator: torch's sqrt(v) / sqrt(bc2) + eps, or with `one_div` (fp8 moments, FP8_DEN)
- * sqrt(v) x (1 / sqrt(bc2)) + eps, each operation rounded. */
-static inline float adam_den(float v, const Coef *c, const int one_div) {
-    return (one_div ? sqrtf(v) * c->inv_bc2_sqrt : sqrtf(v) / c->bc2_sqrt) + c->eps;
+/* AdamW's denominator: torch's sqrt(v) / sqrt(bc2) + eps, or with `fp8` (FP8_UPDATE) fma(sqrt(v), 1 / sqrt(bc2),
+ * eps); the weight after the update `u` = (-lr / bc1) m / den: torch's p (1 - lr wd) + u, or fma(p, 1 - lr wd, u). */
+static inline float adam_den(float v, const Coef *c, const int fp8) {
+    return fp8 ? fmaf(sqrtf(v), c->inv_bc2_sqrt, c->eps) : sqrtf(v) / c->bc2_sqrt + c->eps;
+}
+static inline float adam_weight(float p, float u, const Coef *c, const int fp8) {
+    return fp8 ? fmaf(p, c->decay, u) : p * c->decay + u;
 }
 
 /* One element of torch's vector body: the gradient already scaled, p / m / v updated through the pointers. */
-static inline void adam_vec1(float *p, float g, float *m, float *v, const Coef *c, const int one_div) {
-    const float pi = *p * c->decay;
+static inline void adam_vec1(float *p, float g, float *m, float *v, const Coef *c, const int fp8) {
     const float mi = fmaf(c->lerp_coeff, g - *m, c->lerp_small ? *m : g); /* torch's blendv lerp */
     float vi = fmaf(c->c2 * g, g, *v * c->beta2);
     *m = mi;
     *v = vi;
-    *p = pi + c->neg_step_size * mi / adam_den(vi, c, one_div);
+    *p = adam_weight(*p, c->neg_step_size * mi / adam_den(vi, c, fp8), c, fp8);
 }
 
 /* One element of torch's scalar tail. */
-static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef *c, const int one_div) {
-    const float pi = *p * c->decay;
+static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef *c, const int fp8) {
     /* m + w (g - m), or g - (g - m)(1 - w), contracted; -(x)(1 - w) is x (w - 1) exactly */
     const float mi = fmaf(c->lerp_coeff, g - *m, c->lerp_small ? *m : g);
     float vi = fmaf(*v, c->beta2, c->c2 * g * g);
     *m = mi;
     *v = vi;
-    *p = pi - c->step_size * mi / adam_den(vi, c, one_div); /* (-s m) / d is -((s m) / d): vec1's bits */
+    /* (-s m) / d is -((s m) / d): vec1's bits; p d - x is p d + (-x) */
+    *p = adam_weight(*p, -(c->step_size * mi / adam_den(vi, c, fp8)), c, fp8);
 }
 
 /* Software prefetch, AHEAD elements in front of the loop, CHUNK elements at a time. The update's divisions
@@ -167,14 +181,24 @@ LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, SAME)
 LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16)
 LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16)
 
-/* f32_to_fp8 of a finite y, clamped to +-448 first: the magnitude is clamped as an integer (finite floats'
- * magnitudes order as their bits do), so nothing saturates or is NaN, and the rounding is c10's normal or
- * subnormal one. */
+/* y rounded as FP8_CODES' first step, to fp16 at a scale of 1 / 256 (fp16(y / 256) x 256, exactly): to 11
+ * significant bits by round-to-nearest-even from 2^-6 up, to a multiple of 2^-16 below (fp16's subnormal step
+ * there: 2^-24 x 256). A NaN or an inf stays. */
+static inline float fp16_grid(float y) {
+    const uint32_t u = bits(y) & 0x7FFFFFFFu, sign = bits(y) & 0x80000000u;
+    if (u >= 0x7F800000u) return y;
+    if (u >= (121u << 23)) return from_bits(((u + 0xFFFu + ((u >> 13) & 1)) & ~0x1FFFu) | sign);
+    return from_bits(bits((from_bits(u) + 0x1p7f) - 0x1p7f) | sign); /* 2^7's ulp is 2^-16 */
+}
+
+/* FP8_CODES' code of a finite y, clamped to +-448 first: after fp16_grid, c10's rounding (normal or subnormal)
+ * of its magnitude, clamped as an integer (finite floats' magnitudes order as their bits do), so nothing
+ * saturates or is NaN. */
 static inline uint32_t finite_to_fp8(float y) {
     const uint32_t denorm_mask = 141u << 23, top = 0x43E00000u; /* 448.0f */
-    uint32_t u = bits(y) & 0x7FFFFFFFu;
     const uint32_t sign = (bits(y) >> 24) & 0x80u;
-    u = u < top ? u : top;
+    uint32_t u = bits(y) & 0x7FFFFFFFu;
+    u = bits(fp16_grid(from_bits(u < top ? u : top)));
     const uint32_t sub = bits(from_bits(u) + from_bits(denorm_mask)) - denorm_mask;
     const uint32_t normal = (u + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((u >> 20) & 1)) >> 20;
     return (u < (121u << 23) ? sub : normal) | sign;
@@ -218,38 +242,39 @@ static inline int codes_above(const uint8_t *q, int low) {
     return _mm512_cmpge_epu8_mask(x, _mm512_set1_epi8(low ? 0x7F : (char)0xFF)) != 0;
 }
 
-/* fp32 -> float8_e4m3fn 16 at a time, given r8 = r x 2^-8 (r: the block's quantiser, r8 normal): y = x r8 is
- * x r / 256 exactly (when it is not, y is below 2^-126 and x r rounds to zero either way). No clamp: |x| <= amax
- * and r <= 448 / amax (1 + 2^-24), so |x r| is at most a few ulps above 448, which rounds to 448 as clamped.
- * Adding and subtracting M = 2^(max(e, -14) + 20) (e: |y|'s exponent) rounds |y| to nearest even at e4m3's
- * step there, 3 mantissa bits (2^-17 below its least normal, 2^-14 here), as c10 rounds x r; the rounded value
- * is an fp16 whose bits shifted right 7 are the code's magnitude. fp8_magnitudes: that fp16 of |y| (of y
- * itself where y >= 0: `positive`). */
-static inline __m256i fp8_magnitudes(__m512i y, int positive) {
-    const __m512i e = _mm512_max_epu32(_mm512_and_si512(y, _mm512_set1_epi32(0x7F800000)),
-                                       _mm512_set1_epi32(113 << 23));
-    const __m512 big = _mm512_castsi512_ps(_mm512_add_epi32(e, _mm512_set1_epi32(20 << 23)));
-    const __m512 mag = _mm512_castsi512_ps(positive ? y : _mm512_and_si512(y, _mm512_set1_epi32(0x7FFFFFFF)));
-    return _mm512_cvtps_ph(_mm512_sub_ps(_mm512_add_ps(mag, big), big), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+/* FP8_CODES 16 or 32 at a time. fp16x32_to_fp8: 32 fp16 h of y = x r / 256 (|y| <= 1.75: bit 14, the top of
+ * the exponent, is 0) to their codes: bit 14 takes the sign (bit 15), the bits are rounded to nearest even at
+ * bit 7 as integers (e4m3's step, 2^-17 in fp16's subnormals, which the step continues exactly, and 3 mantissa
+ * bits above), and bits 7-14 are the code. f32x16_to_fp8: x times r8 = r x 2^-8 (r: the block's quantiser, r8
+ * normal), which is x r / 256 exactly (where it is not, |x r| < 2^-118 and both are codes of +-0), to fp16 by
+ * vcvtps2ph (round-to-nearest-even), to codes. No clamp: |x| <= amax and r <= 448 / amax (1 + 2^-24), so |x r|
+ * is at most a few ulps above 448, whose fp16 at 1 / 256 is 1.75 as clamped. fp8x32_store: the codes of 16 first
+ * and 16 second moments, rounded together. */
+static inline __m256i fp16x32_to_fp8(__m512i h) {
+    h = _mm512_ternarylogic_epi32(h, _mm512_srai_epi16(h, 1), _mm512_set1_epi16(0x4000), 0xD8); /* bit 14: sign */
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(h, 7), _mm512_set1_epi16(1));
+    const __m512i r = _mm512_add_epi16(_mm512_add_epi16(h, _mm512_set1_epi16(0x3F)), odd);
+#ifdef __AVX512VBMI__ /* bits 7-14 are the high byte of r + r: one byte permutation packs them */
+    const __m512i high = _mm512_set_epi8(127, 125, 123, 121, 119, 117, 115, 113, 111, 109, 107, 105, 103, 101, 99,
+                                         97, 95, 93, 91, 89, 87, 85, 83, 81, 79, 77, 75, 73, 71, 69, 67, 65, 63, 61,
+                                         59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23,
+                                         21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi8(high, _mm512_add_epi16(r, r)));
+#else
+    return _mm512_cvtepi16_epi8(_mm512_srli_epi16(r, 7));
+#endif
 }
+#define TO_FP16(X, R8) _mm512_cvtps_ph(_mm512_mul_ps(X, R8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 static inline __m128i f32x16_to_fp8(__m512 x, __m512 r8) {
-    const __m512i y = _mm512_castps_si512(_mm512_mul_ps(x, r8));
-    const __m128i code = _mm256_cvtepi16_epi8(_mm256_srli_epi16(fp8_magnitudes(y, 0), 7));
-    return _mm_mask_add_epi8(code, _mm512_movepi32_mask(y), code, _mm_set1_epi8((char)0x80));
+    return _mm256_castsi256_si128(fp16x32_to_fp8(_mm512_castsi256_si512(TO_FP16(x, r8))));
 }
-
-/* The same codes for 16 first-moment values (xm, any sign) and 16 second-moment values (xv >= 0: no sign to
- * place), packed together: one shift and one byte pack for both, the sign byte added to the first half only.
- * 0x80 + code is code | 0x80 (codes are below it); a lane whose sign bit is set gets it, -0 too (c10's 0x80). */
-static inline void fp8x32_store(__m512 xm, __m512 r8m, __m512 xv, __m512 r8v, __m128i sign, uint8_t *qm, uint8_t *qv) {
-    const __m512i ym = _mm512_castps_si512(_mm512_mul_ps(xm, r8m));
-    const __m512i yv = _mm512_castps_si512(_mm512_mul_ps(xv, r8v));
-    const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(fp8_magnitudes(ym, 0)), fp8_magnitudes(yv, 1), 1);
-    const __m256i codes = _mm512_cvtepi16_epi8(_mm512_srli_epi16(h, 7));
-    const __m128i low = _mm256_castsi256_si128(codes);
-    _mm_storeu_si128((__m128i *)qm, _mm_mask_add_epi8(low, _mm512_movepi32_mask(ym), low, sign));
+static inline void fp8x32_store(__m512 xm, __m512 r8m, __m512 xv, __m512 r8v, uint8_t *qm, uint8_t *qv) {
+    const __m256i codes = fp16x32_to_fp8(_mm512_inserti64x4(_mm512_castsi256_si512(TO_FP16(xm, r8m)),
+                                                            TO_FP16(xv, r8v), 1));
+    _mm_storeu_si128((__m128i *)qm, _mm256_castsi256_si128(codes));
     _mm_storeu_si128((__m128i *)qv, _mm256_extracti128_si256(codes, 1));
 }
+#undef TO_FP16
 #endif
 
 /* fp32 x[0, n) -> fp8 q for a block whose amax of |x| has the bits `top`, scale s. A finite block takes
@@ -271,12 +296,12 @@ static void quant_fp8(const float *x, int n, uint32_t top, float s, uint8_t *q) 
     const float d = s > 0 ? s : 1.0f;
     for (int i = 0; i < n; i++) {
         const float y = x[i] / d, lo = y < -448.0f ? -448.0f : y;
-        q[i] = f32_to_fp8(lo > 448.0f ? 448.0f : lo);
+        q[i] = f32_to_fp8(fp16_grid(lo > 448.0f ? 448.0f : lo));
     }
 }
 
 /* A block's requantisation: now (quant_fp8), or, for a finite block the vector loop updated (`vector`: full,
- * and its second moment never negative, which fp8x32_store's sign-free half needs), deferred: the result is
+ * and its second moment never negative, which that loop's decoding and amax need), deferred: the result is
  * where its codes go (NULL: written) and *r8 its quantiser x 2^-8, for the next block's update loop (finish). */
 static inline uint8_t *requant(const float *x, int n, uint32_t top, float s, uint8_t *q, float *r8, int vector) {
 #ifdef FP8_AVX512
@@ -335,8 +360,10 @@ static inline void finish(uint8_t *q, const float *x, float r8, int from) {
  * torch's lerp form (`small`: from m, else back from g) and `scaled` (factor != 1; g * 1.0f is g, so an
  * unclipped step skips the multiply). The second moment's codes and values are never negative (the caller
  * checks its codes and scale; v = (1 - b2) g^2 + b2 v_old with 1 - b2 >= 0 is +0 or more, or NaN), so its amax is the
- * integer max of its bits as they are (a NaN above any number, of either sign), and its decoding and encoding
- * skip the sign. The first moment's amax is vrangeps's max of magnitudes (NaN kept). */
+ * integer max of its bits as they are (a NaN above any number, of either sign), and its decoding skips the
+ * sign. The first moment's amax is vrangeps's max of magnitudes, which drops
+ * NaNs (maxNum): a NaN first moment comes only from a gradient that is not finite (the moments decoded are
+ * finite), which makes the second moment inf or NaN, and then the first moment's amax is taken again. */
 static inline __attribute__((always_inline)) int fp8_vector_block(
     const int grad_bf16, const int small, const int scaled, float *p, const void *grad, const uint8_t *m,
     const uint8_t *v, int64_t a, int64_t end, int nv, float ms, float vs, float factor, const Coef *c, float *bm,
@@ -349,7 +376,6 @@ static inline __attribute__((always_inline)) int fp8_vector_block(
     const __m512 lerp = _mm512_set1_ps(c->lerp_coeff), b2 = _mm512_set1_ps(c->beta2), c2 = _mm512_set1_ps(c->c2);
     const __m512 ibc2 = _mm512_set1_ps(c->inv_bc2_sqrt), eps = _mm512_set1_ps(c->eps);
     const __m512 nstep = _mm512_set1_ps(c->neg_step_size), r8mv = _mm512_set1_ps(r8m), r8vv = _mm512_set1_ps(r8v);
-    __m128i sign = _mm_set1_epi8((char)0x80);
 #define FP8_UPDATE16(I)                                                                                     \
     do {                                                                                                    \
         const int i_ = (I);                                                                                 \
@@ -360,19 +386,17 @@ static inline __attribute__((always_inline)) int fp8_vector_block(
         const __m512 g = scaled ? _mm512_mul_ps(gr, fac) : gr;                                              \
         const __m512 mo = fp8x16_to_f32(m + k, ms256, 0);                                                   \
         const __m512 vo = _mm512_max_ps(vtiny, fp8x16_to_f32(v + k, vs256, 1)); /* x < tiny ? tiny : x */   \
-        const __m512 pi = _mm512_mul_ps(_mm512_loadu_ps(p + k), decay);                                     \
         const __m512 mi = _mm512_fmadd_ps(lerp, _mm512_sub_ps(g, mo), small ? mo : g);                      \
         const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(vo, b2));                  \
-        const __m512 den = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(vi), ibc2), eps);                     \
-        _mm512_storeu_ps(p + k, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(nstep, mi), den)));           \
+        const __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vi), ibc2, eps);                                  \
+        const __m512 u = _mm512_div_ps(_mm512_mul_ps(nstep, mi), den);                                      \
+        _mm512_storeu_ps(p + k, _mm512_fmadd_ps(_mm512_loadu_ps(p + k), decay, u));                         \
         _mm512_store_ps(bm + i_, mi);                                                                       \
         _mm512_store_ps(bv + i_, vi);                                                                       \
         tm = _mm512_range_ps(tm, mi, 0x0B); /* max of |tm|, |mi|, sign cleared */                          \
         tv = _mm512_max_epu32(tv, _mm512_castps_si512(vi));                                                 \
-        __asm__("" : "+v"(sign)); /* kept in a register: GCC rebuilt the constant every time */             \
         if (pend_m)                                                                                         \
-            fp8x32_store(_mm512_load_ps(om + i_), r8mv, _mm512_load_ps(ov + i_), r8vv, sign, pend_m + i_,   \
-                         pend_v + i_);                                                                      \
+            fp8x32_store(_mm512_load_ps(om + i_), r8mv, _mm512_load_ps(ov + i_), r8vv, pend_m + i_, pend_v + i_); \
     } while (0)
     /* 64 elements per pass: their lines AHEAD prefetched one or two per 16 elements (a block's all at once
      * issued 32 misses in a burst, more than the core's fill buffers hold: out of cache, 12M elements, 1 thread,
@@ -396,6 +420,11 @@ static inline __attribute__((always_inline)) int fp8_vector_block(
 #undef FP8_UPDATE16
     *top_m = _mm512_reduce_max_epu32(_mm512_and_si512(_mm512_castps_si512(tm), _mm512_set1_epi32(0x7FFFFFFF)));
     *top_v = _mm512_reduce_max_epu32(tv);
+    if (*top_v >= 0x7F800000u) { /* a gradient was not finite: the first moment's amax again, its NaNs kept */
+        uint32_t top = 0;
+        for (int i = 0; i < i0; i++) TOP_ABS(top, bm[i]);
+        *top_m = top;
+    }
     return i0;
 }
 #endif
@@ -506,7 +535,9 @@ void mt_adamw(float *param, const void *grad, void *exp_avg, void *exp_avg_sq, f
 /* For tests/runtime/test_host_kernel.py: the vector conversions' mismatches against the element functions, over
  * every code (scale 1; the positive decoding over those below 0x7f) and every `stride`-th fp32 bit pattern of
  * [0, 448] and 256 ulps past it (as clamped to 448), each of both signs (fp8x32_store's second half: their
- * magnitudes); -1 where the vector code is not built (no AVX-512 where it was compiled). */
+ * magnitudes); the encodings against FP8_CODES' definition, c10's rounding of fp16_grid of the value, and
+ * finite_to_fp8. With stride 1 that is every fp32 a vector encoding meets: fp16_grid equals vcvtps2ph on all of
+ * them. -1 where the vector code is not built (no AVX-512 where it was compiled). */
 int64_t mt_fp8_check(uint32_t stride) {
 #ifdef FP8_AVX512
     int64_t bad = 0;
@@ -528,11 +559,11 @@ int64_t mt_fp8_check(uint32_t stride) {
         }
         const __m512 r8 = _mm512_set1_ps(0x1p-8f), xs = _mm512_loadu_ps(x);
         _mm_storeu_si128((__m128i *)q, f32x16_to_fp8(xs, r8));
-        fp8x32_store(xs, r8, _mm512_abs_ps(xs), r8, _mm_set1_epi8((char)0x80), qm, qv); /* v's half: |x| */
+        fp8x32_store(xs, r8, _mm512_abs_ps(xs), r8, qm, qv); /* v's half: |x| */
         for (int j = 0; j < 16; j++) {
             const float clamped = fabsf(x[j]) <= 448.0f ? x[j] : copysignf(448.0f, x[j]);
-            bad += q[j] != f32_to_fp8(clamped) || q[j] != (uint8_t)finite_to_fp8(x[j]) || qm[j] != q[j] ||
-                   qv[j] != f32_to_fp8(fabsf(clamped));
+            bad += q[j] != f32_to_fp8(fp16_grid(clamped)) || q[j] != (uint8_t)finite_to_fp8(x[j]) ||
+                   qm[j] != q[j] || qv[j] != f32_to_fp8(fp16_grid(fabsf(clamped)));
         }
     }
     return bad;

@@ -21,11 +21,13 @@ rounds back, the clip factor applied as below. Otherwise the same update runs as
   scratch, the fused kernel updates master and scratch, and the moments are rounded back: bf16 by
   round-to-nearest-even; fp8 as float8_e4m3fn per FP8_BLOCK-element block (blocks start at each parameter's
   first element) with an fp32 scale = block amax / 448, rounded as x times 448 / amax (`_quantiser`: a
-  multiply, not a division per element). A dequantised second moment is floored at its block's least
+  multiply, not a division per element), to fp16 at a scale of 1 / 256 first, then to e4m3 (host_kernel.c
+  FP8_CODES: two roundings, so that the vector loop converts with vcvtps2ph). A dequantised second moment is floored at its block's least
   positive step (scale x 2^-9), so a value that underflowed to 0 never divides a non-zero first moment by eps
   alone; an all-zero block keeps scale 0. Under fp8 the fused kernel updates only the moments; the weights
-  take `_fp8_update`, whose denominator multiplies by 1 / sqrt(bc2) where torch's divides by sqrt(bc2): one
-  division per element instead of two, for the one-pass loop's speed (host_kernel.c FP8_DEN). Results do not
+  take `_fp8_update`, whose denominator multiplies by 1 / sqrt(bc2) where torch's divides by sqrt(bc2) and
+  whose denominator and weight are fused multiply-adds: one division per element instead of two and two
+  operations fewer, for the one-pass loop's speed (host_kernel.c FP8_UPDATE). Results do not
   depend on the chunk size (elementwise math, blocks inside chunks), only on the values.
 - The NaN/inf verdict is not taken here: the store reads it from the gradient norms the device computed
   (a non-finite norm is a non-finite or overflowing gradient) and skips the whole update; `update_bound`
@@ -294,20 +296,37 @@ def _f32(x: float) -> float:
 
 
 def _fp8_update(p, m, v, den, upd, cfg: TrainSpec, lr: float, wd: float, step: float) -> None:
-    """The fp8 policy's weight update from the updated moments m, v: p (1 - lr wd) + (-lr / bc1) m / den with
-    den = sqrt(v) x (1 / sqrt(bc2)) + eps, each operation rounded to fp32 once (separate torch ops). Torch's
-    kernel divides sqrt(v) by sqrt(bc2) instead: a second division per element, which on a core whose divider
-    binds the fp8 loop cost it 9% in cache, 4% from DRAM (host_kernel.c FP8_DEN); the two differ by an ulp of den
-    at most, which the policy's quality measurement (docs/RESULTS.md) covers. The coefficients are host_kernel.c
-    `coefficients`' in double, cast to fp32."""
+    """The fp8 policy's weight update from the updated moments m, v (host_kernel.c FP8_UPDATE): den = fma(sqrt(v),
+    1 / sqrt(bc2), eps), u = ((-lr / bc1) m) / den, p = fma(p, 1 - lr wd, u) (p + u without weight decay), each
+    operation rounded to fp32 once. Torch's kernel divides sqrt(v) by sqrt(bc2) and rounds the products and sums
+    apart: its weights differ from these by an ulp or so, which the policy's quality measurement covers
+    (docs/RESULTS.md). The coefficients are host_kernel.c `coefficients`' in double, cast to fp32."""
     b1, b2 = cfg.betas
+    d = den.numpy()
     with np.errstate(invalid="ignore"):  # a negative v (a corrupt state) gives NaN, as the fused kernel's
-        np.sqrt(v.numpy(), out=den.numpy())  # NOTE: torch.sqrt is MKL's on CPU, not correctly rounded (numpy's is)
-    den.mul_(_f32(1 / math.sqrt(1 - b2**step))).add_(_f32(cfg.eps))
+        np.sqrt(v.numpy(), out=d)  # NOTE: torch.sqrt is MKL's on CPU, not correctly rounded (numpy's is)
+    _fma32(d, _f32(1 / math.sqrt(1 - b2**step)), _f32(cfg.eps), d)
     torch.mul(m, _f32(-(lr / (1 - b1**step))), out=upd).div_(den)
     if wd != 0:
-        p.mul_(_f32(1 - lr * wd))
-    p.add_(upd)
+        _fma32(p.numpy(), _f32(1 - lr * wd), upd.numpy(), p.numpy())
+    else:
+        p.add_(upd)
+
+
+def _fma32(a: np.ndarray, b: float, c: np.ndarray | float, out: np.ndarray) -> None:
+    """out = a b + c for fp32 a (and c), rounded once to fp32, as a fused multiply-add (numpy has none): the
+    product is exact in fp64, the sum is rounded to odd in fp64 (TwoSum's exact error says which way), and
+    rounding to odd at 53 bits then to nearest at 24 is rounding to nearest at 24."""
+    prod = a.astype(np.float64) * np.float64(b)
+    c64 = np.asarray(c, dtype=np.float64)
+    s = prod + c64
+    with np.errstate(invalid="ignore"):
+        back = s - prod
+        err = (prod - (s - back)) + (c64 - back)
+        inexact = (err != 0) & np.isfinite(s) & ((s.view(np.int64) & 1) == 0)
+    if inexact.any():
+        s[inexact] = np.nextafter(s[inexact], np.copysign(np.inf, err[inexact]))
+    out[...] = s
 
 
 def _blocks(x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -334,8 +353,9 @@ def _dequant(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, index: tor
 
 def _quant(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, work: torch.Tensor | None = None) -> None:
     """Round fp32 `x` (overwritten) into fp8 `q` and the per-block `scale` = block amax / 448; each block is
-    x times its quantiser (`_quantiser`) clamped to +-448, then rounded; `work`: a scratch of x's size for |x|
-    (allocated if not given)."""
+    x times its quantiser (`_quantiser`) clamped to +-448, then rounded to fp16 at a scale of 1 / 256 and that to
+    float8_e4m3fn (two roundings: host_kernel.c FP8_CODES); `work`: a scratch of x's size for |x| (allocated if
+    not given)."""
     work = (work if work is not None else torch.empty_like(x))[: x.numel()]
     for k, (part, mag) in enumerate(zip(_blocks(x), _blocks(work))):
         if part is None:
@@ -345,7 +365,7 @@ def _quant(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, work: torch.Te
         r = _quantiser(s)
         s.div_(FP8_MAX)
         part.mul_(r[:, None]).clamp_(-FP8_MAX, FP8_MAX)
-    q.copy_(x)
+    q.copy_(x.mul_(2.0**-8).to(torch.float16).mul_(256))  # rounded to fp16 first (host_kernel.c FP8_CODES)
 
 
 def _quantiser(amax: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ tests/runtime/test_exactness.py.
 """
 
 import math
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 from runtime_schedules import make_batches, plans_by_shape, streamed_train
@@ -202,27 +204,68 @@ def test_fp8_blocks_round_trip_and_floor():
     assert (back[nonzero] > 0).all() and (back[~nonzero] == 0).all()
 
 
+def _fp32(x: Fraction) -> np.float32:
+    """The fp32 nearest the rational x, ties to even (exactly: not through a float64)."""
+    f = np.float32(float(x))
+    if Fraction(float(f)) > x:
+        down, up = np.nextafter(f, np.float32(-np.inf)), f
+    else:
+        down, up = f, np.nextafter(f, np.float32(np.inf))
+    lo, hi = x - Fraction(float(down)), Fraction(float(up)) - x
+    return down if lo < hi or (lo == hi and int(down.view(np.uint32)) % 2 == 0) else up
+
+
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_fp8_weight_update_is_its_formula_in_fp32(wd):
-    """fp8's weight update from its updated moments (host_state._fp8_update, host_kernel.c FP8_DEN), against
-    numpy's IEEE fp32: p (1 - lr wd) + (-lr / bc1) m / (sqrt(v) x (1 / sqrt(bc2)) + eps), every operation
-    rounded once, on sizes with vector bodies and tails, v from subnormal to large."""
-    import numpy as np
-
+    """fp8's weight update from its updated moments (host_state._fp8_update, host_kernel.c FP8_UPDATE) against
+    its formula in exact rationals, each operation rounded once to fp32: den = fma(sqrt(v), 1 / sqrt(bc2), eps),
+    p' = fma(p, 1 - lr wd, ((-lr / bc1) m) / den), on sizes with vector bodies and tails, v from subnormal to
+    large; the square root is numpy's (IEEE, correctly rounded), the fused multiply-adds are Fractions."""
     gen = torch.Generator().manual_seed(4)
     cfg = TrainSpec(micro_batch=1, seq_len=1, weight_decay=wd)
     lr, step = 3e-3, 7.0
-    for n in (1, 13, 1000, 4099):
+    f = np.float32
+    b1, b2 = cfg.betas
+    inv, eps, step_size = (Fraction(float(f(x))) for x in (1 / math.sqrt(1 - b2**step), cfg.eps, -(lr / (1 - b1**step))))
+    decay = Fraction(float(f(1 - lr * wd)))
+    for n in (1, 13, 1000, 1500):
         p, m = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
         v = torch.rand(n, generator=gen) * torch.logspace(-44, 2, n)
-        want = p.numpy().copy()
-        f = np.float32
-        b1, b2 = cfg.betas
-        den = np.sqrt(v.numpy()) * f(1 / math.sqrt(1 - b2**step)) + f(cfg.eps)
-        upd = m.numpy() * f(-(lr / (1 - b1**step))) / den
-        want = (want * f(1 - lr * wd) if wd else want) + upd
+        want = []
+        for pi, mi, vi in zip(p.tolist(), m.tolist(), np.sqrt(v.numpy()).tolist()):
+            den = _fp32(Fraction(vi) * inv + eps)
+            u = _fp32(Fraction(float(_fp32(Fraction(mi) * step_size))) / Fraction(float(den)))
+            want.append(_fp32(Fraction(pi) * decay + Fraction(float(u))))
+        want = np.array(want, dtype=np.float32)
         host_state._fp8_update(p, m, v, torch.empty(n), torch.empty(n), cfg, lr, wd, step)
-        assert want.dtype == np.float32 and np.array_equal(p.numpy().view(np.uint32), want.view(np.uint32)), n
+        assert np.array_equal(p.numpy().view(np.uint32), want.view(np.uint32)), n
+
+
+def test_fma32_is_one_rounding():
+    """host_state._fma32 against exact rationals where fp64 alone rounds twice: products whose sum lands
+    within an fp64 ulp of an fp32 midpoint, cancellations, signed zeros and non-finite operands."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal(4000).astype(np.float32)
+    b = np.float32(1 - 2**-18)
+    # c puts a b + c next to fp32 midpoints: -(a b rounded to fp32) + half an ulp of it, nudged
+    ab = (a.astype(np.float64) * np.float64(b)).astype(np.float32)
+    c = (-ab + np.spacing(ab) / 2 * rng.choice([-1, 1], a.size)).astype(np.float32)
+    c[:100] = (-a[:100] * b).astype(np.float32)  # cancellations to about an ulp
+    # |a b + c| = (an fp32 midpoint) - 2^-60 with c odd in [1, 2) and a b = +-2^-24 (1 - 2^-36): fp64 rounds it to
+    # the midpoint, then to even, away from c, where one rounding goes to c (fp64's sum alone: all 1000 wrong)
+    k = 1000
+    odd = (rng.integers(0, 2**22, k) * 2 + 1 + 127 * 2**23).astype(np.uint32).view(np.float32)
+    c[-k:] = odd * rng.choice([-1, 1], k).astype(np.float32)
+    a[-k:] = np.float32(2**-24 * (1 + 2**-18)) * np.sign(c[-k:])
+    out = np.empty_like(a)
+    host_state._fma32(a, float(b), c, out)
+    want = [_fp32(Fraction(x) * Fraction(float(b)) + Fraction(y)) for x, y in zip(a.tolist(), c.tolist())]
+    assert np.array_equal(out.view(np.uint32), np.array(want, dtype=np.float32).view(np.uint32))
+    special = np.array([0.0, -0.0, np.inf, np.nan, 1.0], dtype=np.float32)
+    out = np.empty(5, dtype=np.float32)
+    host_state._fma32(special, -1.0, np.array([0.0, -0.0, 1.0, 1.0, -1.0], dtype=np.float32), out)
+    assert out[0] == 0 and not np.signbit(out[0]) and out[1] == 0 and not np.signbit(out[1])  # -0 + 0, +0 + -0
+    assert out[2] == -np.inf and np.isnan(out[3]) and out[4] == -2
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
