@@ -36,10 +36,11 @@ from megatrain.files import cache_root, check_cache_writable, read_json, write_a
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
-PROFILE_VERSION = 8  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
+PROFILE_VERSION = 9  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
 # 4: attention replay's forward and backward; 5: kept graphs timed as a pass (unit_probe.PASS_BYTES); 6: contention
 # as the median of paired ratios over unit_probe.CONTENTION_ROUNDS, the host kernel's prefetch and clip multiply;
-# 7: the host kernel's AVX-512 fp8 loop (fp8's rate); 8: fp8's one-division update (fp8's rate)
+# 7: the host kernel's AVX-512 fp8 loop (fp8's rate); 8: fp8's one-division update (fp8's rate); 9: fp8's codes
+# through fp16 and fused update (fp8's rate)
 MAX_PROFILE_BYTES = 4 << 20
 
 

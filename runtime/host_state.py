@@ -53,6 +53,7 @@ from . import cpus, host_kernel, host_memory
 # policy) and takes them from a host step timed right after: bf16's rate measured 24-25 GB/s right after a
 # flush against 31-34 GB/s 5-10 ms later (2-core VM, 2 threads). Timed steps wait this long first.
 OMP_SETTLE_S = 0.01
+FMA_SLICE = 1 << 15  # elements per slice of _fma32
 STEP_CHUNK = 1 << 20  # elements per in-cache pass (4 MiB of fp32 per scratch), a multiple of FP8_BLOCK
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -216,30 +217,40 @@ def update_bound(cfg: TrainSpec, step: int, exact: bool = True) -> float:
 def step_rate(policy: HostPolicy | str, numel: int, repeats: int = 5, clip: bool = False) -> float:
     """Parameters per second of one policy's step on a block-like unit of `numel` parameters (two matrices
     and a norm vector, decayed and not), unclipped or with a clip factor < 1 (the path a clipped step takes),
-    the best of `repeats` (`megatrain probe`). The caches are flushed before each timed step: in training a
-    unit's state is touched once a step, always cold."""
+    the best of `repeats` (`megatrain probe`). Each timed step finds the cache as training leaves it: its own
+    state cold (a read-only sweep of twice the last-level cache evicts it) and a unit of the same size and
+    policy stepped just before, whose written lines are dirty in the cache and cost the timed step their
+    write-back, as the previous unit's do in a run."""
     import time
 
     policy = resolve(policy)
     big = max(1, (numel - 4096) // 2)
     shapes = [(big,), (big,), (4096,)]
-    params = [host_memory.empty(s, torch.float32).copy_(torch.randn(s) * 0.02) for s in shapes]  # as the store's
-    grads = [host_memory.empty(s, grad_dtype(policy)).copy_(torch.randn(s) * 1e-3) for s in shapes]
-    moments = [new_moments(policy, s) for s in shapes]
-    steps = [torch.zeros(()) for _ in shapes]
     cfg = TrainSpec(micro_batch=1, seq_len=1)
-    # twice the last-level cache (at least 128 MiB): a 128 MiB flush left part of a 16M-parameter unit in this
-    # VM's 480 MiB L3, and the probed rates came out up to 16% faster than steps interleaved with other units
-    flush = torch.zeros(max(32 * 2**20, 2 * (cpus.largest_cache_bytes() or 0) // 4))
+    clip_factor = torch.tensor(0.5) if clip else None
+
+    def unit():
+        params = [host_memory.empty(s, torch.float32).copy_(torch.randn(s) * 0.02) for s in shapes]  # as the store's
+        grads = [host_memory.empty(s, grad_dtype(policy)).copy_(torch.randn(s) * 1e-3) for s in shapes]
+        return params, grads, [new_moments(policy, s) for s in shapes], [torch.zeros(()) for _ in shapes]
+
+    def step(u) -> None:
+        adamw_step(policy, *u, cfg, 1e-4, [True, True, False], clip_factor)
+
+    timed, before = unit(), unit()
+    # NOTE: the sweep only reads. A sweep that wrote (x += 1, as before) left the cache full of its own dirty
+    # lines, whose write-back the timed step paid on top of its traffic: at 2 threads the probed rates came out
+    # 10-16% slow against steps interleaved with other units (docs/RESULTS.md, "Host optimizer throughput").
+    flush = torch.ones(max(32 * 2**20, 2 * (cpus.largest_cache_bytes() or 0) // 4))
     best = float("inf")
     for _ in range(repeats + 1):  # the first round warms up
-        flush.add_(1.0)
+        flush.sum()
+        step(before)
         time.sleep(OMP_SETTLE_S)  # a run's steps follow steps, not a torch op's spinning threads
         t = time.perf_counter()
-        adamw_step(policy, params, grads, moments, steps, cfg, 1e-4, [True, True, False],
-                   torch.tensor(0.5) if clip else None)
+        step(timed)
         best = min(best, time.perf_counter() - t)
-    return sum(p.numel() for p in params) / best
+    return sum(p.numel() for p in timed[0]) / best
 
 
 def _exact(params, grads, moments, steps, cfg, lr, wd, clip) -> None:
@@ -314,18 +325,29 @@ def _fp8_update(p, m, v, den, upd, cfg: TrainSpec, lr: float, wd: float, step: f
 
 
 def _fma32(a: np.ndarray, b: float, c: np.ndarray | float, out: np.ndarray) -> None:
-    """out = a b + c for fp32 a (and c), rounded once to fp32, as a fused multiply-add (numpy has none): the
-    product is exact in fp64, the sum is rounded to odd in fp64 (TwoSum's exact error says which way), and
-    rounding to odd at 53 bits then to nearest at 24 is rounding to nearest at 24."""
-    prod = a.astype(np.float64) * np.float64(b)
-    c64 = np.asarray(c, dtype=np.float64)
-    s = prod + c64
-    with np.errstate(invalid="ignore"):
-        back = s - prod
-        err = (prod - (s - back)) + (c64 - back)
-        inexact = (err != 0) & np.isfinite(s) & ((s.view(np.int64) & 1) == 0)
-    if inexact.any():
-        s[inexact] = np.nextafter(s[inexact], np.copysign(np.inf, err[inexact]))
+    """out = a b + c for fp32 a (and c), rounded once to fp32, as a fused multiply-add (numpy has none). The
+    product is exact in fp64 and the sum s rounds there first; s then rounds to the same fp32 as the exact sum
+    unless it landed on an fp32 rounding midpoint (its low 29 mantissa bits 1 followed by zeros) or lies below
+    fp32's normal range. Those few are rounded to odd in fp64 (TwoSum's exact error says which way), and rounding
+    to odd at 53 bits then to nearest at 24 is rounding to nearest at 24. In slices whose fp64 temporaries stay
+    in L2 (a whole 1M-element chunk at once took twice as long)."""
+    if a.size > FMA_SLICE:
+        for i in range(0, a.size, FMA_SLICE):
+            j = slice(i, i + FMA_SLICE)
+            _fma32(a[j], b, c if np.ndim(c) == 0 else c[j], out[j])
+        return
+    prod = a.astype(np.float64)
+    prod *= b
+    s = prod + c
+    bits = s.view(np.int64)
+    risky = np.flatnonzero(((bits & 0x1FFFFFFF) == 0x10000000) | ((bits >> 52 & 0x7FF) < 1023 - 126))
+    if risky.size:
+        p, cs, sr = prod[risky], np.broadcast_to(np.asarray(c, dtype=np.float64), s.shape)[risky], s[risky]
+        back = sr - p
+        err = (p - (sr - back)) + (cs - back)
+        inexact = err != 0
+        toward_zero = inexact & (np.signbit(err) != np.signbit(sr))
+        bits[risky] = (sr.view(np.int64) - toward_zero) | inexact
     out[...] = s
 
 
@@ -365,7 +387,9 @@ def _quant(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, work: torch.Te
         r = _quantiser(s)
         s.div_(FP8_MAX)
         part.mul_(r[:, None]).clamp_(-FP8_MAX, FP8_MAX)
-    q.copy_(x.mul_(2.0**-8).to(torch.float16).mul_(256))  # rounded to fp16 first (host_kernel.c FP8_CODES)
+    half = torch.empty(x.numel(), dtype=torch.float16)  # rounded to fp16 first (host_kernel.c FP8_CODES)
+    half.copy_(x.mul_(2.0**-8))
+    q.copy_(x.copy_(half).mul_(256))  # NOTE: fp16 -> fp8 directly converts 1.3x slower than through fp32
 
 
 def _quantiser(amax: torch.Tensor) -> torch.Tensor:

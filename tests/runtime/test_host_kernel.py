@@ -108,6 +108,29 @@ def test_non_finite_and_overflowing_values_give_the_same_bits(policy):
     assert any(x.any() for x in nan[0]) and not all(x.all() for x in nan[0])  # not vacuous
 
 
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+@pytest.mark.parametrize("at", [0, 1, 17, FP8_BLOCK - 1])
+def test_a_nan_gradient_in_a_fresh_block_gives_the_same_bits(at):
+    """A NaN gradient in a full block whose moments' codes hold no NaN (the vector loop takes it), one step
+    from fresh moments: the block's first moment has amax NaN, as torch.amax says. The vector loop's vrangeps
+    drops NaNs, and until 2026-12-04 that block kept a finite scale and codes the torch path does not give."""
+    assert host_kernel.available(), host_kernel.why_not()
+    n = 4 * FP8_BLOCK
+    runs = []
+    for one_pass in (False, True):
+        torch.manual_seed(0)
+        params, grads = [torch.randn(n)], [torch.randn(n).bfloat16()]
+        grads[0][FP8_BLOCK + at] = float("nan")
+        moments, steps = [new_moments("fp8", (n,))], [torch.zeros(())]
+        host_state._step("fp8", params, grads, moments, steps, CFG, 1e-3, [True], None, one_pass)
+        runs.append([params[0], *moments[0].tensors().values()])
+    assert torch.isnan(runs[0][3][1]) and not torch.isnan(runs[0][3][[0, 2, 3]]).any()  # avg_scale: block 1
+    for i, (a, b) in enumerate(zip(*runs)):
+        nan = torch.isnan(a.float())
+        assert torch.equal(nan, torch.isnan(b.float())), f"NaNs of tensor {i}"
+        _assert_same_bits([a[~nan]], [b[~nan]], f"tensor {i}")
+
+
 def _fp8_steps_from(every: torch.Tensor, avg_scales: list[float], sq_scales: list[float], seed: int) -> list:
     """One fp8 step of two tensors of every's size, through the torch path then the kernel, from stored codes:
     tensor 0's first moment `every` and second moment an ordinary (normal, positive) code per element, tensor 1
