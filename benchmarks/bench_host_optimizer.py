@@ -35,7 +35,7 @@ from megatrain.planner import probe as probe_module
 from megatrain.planner.host_policy import ORDER, POLICIES
 from megatrain.planner.train import TrainSpec
 from megatrain.runtime import host_kernel, host_memory
-from megatrain.runtime.host_state import OMP_SETTLE_S, Moments, _step, grad_dtype, new_moments
+from megatrain.runtime.host_state import OMP_SETTLE_S, Moments, _step, block_unit
 
 CFG = TrainSpec(micro_batch=1, seq_len=8, lr=1e-4, clip_norm=1.0)
 LEGACY_BYTES = 28 + 4 + 8 + 4 + 6
@@ -45,13 +45,8 @@ class Unit:
     def __init__(self, policy: str, params: int, one_pass: bool = False):
         torch.manual_seed(0)
         self.one_pass = one_pass
-        big = (params - 4096) // 2
-        self.shapes = [(big,), (big,), (4096,)]
-        # allocated as the host store allocates (huge pages where Linux gives them: runtime/host_memory.py)
-        self.params = [host_memory.empty(s, torch.float32).copy_(torch.randn(s) * 0.02) for s in self.shapes]
-        self.grads = [host_memory.empty(s, grad_dtype(policy)).copy_(torch.randn(s) * 1e-3) for s in self.shapes]
-        self.moments = [new_moments(policy, s) for s in self.shapes]
-        self.steps = [torch.zeros(()) for _ in self.shapes]
+        self.params, self.grads, self.moments, self.steps = block_unit(policy, params)
+        self.shapes = [p.shape for p in self.params]
         self.policy, self.n = policy, sum(p.numel() for p in self.params)
 
     def step(self, clip: torch.Tensor | None) -> None:

@@ -224,7 +224,7 @@ static inline float block_quantiser(uint32_t top) {
  * left 7 and its bit 14 cleared is the fp16 of its value / 256, exactly: e4m3's exponent (bias 7) lands in
  * fp16's (bias 15) and its subnormals are fp16 subnormals. value x s = (fp16 x 256) x s = fp16 x (256 s): one
  * rounding of the same product, with 256 s exact below 2^120. The NaN codes (0x7f, 0xff) would decode as
- * +-480: a block holding one takes the element loop (nan_code). */
+ * +-480: a block holding one takes the element loop (codes_above). */
 static inline __m512 fp8x16_to_f32(const uint8_t *q, __m512 s256, int positive) {
     const __m128i b = _mm_loadu_si128((const __m128i *)q);
     const __m256i h = positive ? _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 7) /* codes below 0x7f */
@@ -361,9 +361,9 @@ static inline void finish(uint8_t *q, const float *x, float r8, int from) {
  * unclipped step skips the multiply). The second moment's codes and values are never negative (the caller
  * checks its codes and scale; v = (1 - b2) g^2 + b2 v_old with 1 - b2 >= 0 is +0 or more, or NaN), so its amax is the
  * integer max of its bits as they are (a NaN above any number, of either sign), and its decoding skips the
- * sign. The first moment's amax is vrangeps's max of magnitudes, which drops
- * NaNs (maxNum): a NaN first moment comes only from a gradient that is not finite (the moments decoded are
- * finite), which makes the second moment inf or NaN, and then the first moment's amax is taken again. */
+ * sign. The first moment's amax is vrangeps's max of magnitudes, which drops NaNs (maxNum): a NaN first moment
+ * comes only from a gradient that is not finite (the moments decoded are finite), which makes the second
+ * moment inf or NaN, and then the first moment's amax is taken again. */
 static inline __attribute__((always_inline)) int fp8_vector_block(
     const int grad_bf16, const int small, const int scaled, float *p, const void *grad, const uint8_t *m,
     const uint8_t *v, int64_t a, int64_t end, int nv, float ms, float vs, float factor, const Coef *c, float *bm,

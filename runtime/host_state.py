@@ -22,13 +22,13 @@ rounds back, the clip factor applied as below. Otherwise the same update runs as
   round-to-nearest-even; fp8 as float8_e4m3fn per FP8_BLOCK-element block (blocks start at each parameter's
   first element) with an fp32 scale = block amax / 448, rounded as x times 448 / amax (`_quantiser`: a
   multiply, not a division per element), to fp16 at a scale of 1 / 256 first, then to e4m3 (host_kernel.c
-  FP8_CODES: two roundings, so that the vector loop converts with vcvtps2ph). A dequantised second moment is floored at its block's least
-  positive step (scale x 2^-9), so a value that underflowed to 0 never divides a non-zero first moment by eps
-  alone; an all-zero block keeps scale 0. Under fp8 the fused kernel updates only the moments; the weights
-  take `_fp8_update`, whose denominator multiplies by 1 / sqrt(bc2) where torch's divides by sqrt(bc2) and
-  whose denominator and weight are fused multiply-adds: one division per element instead of two and two
-  operations fewer, for the one-pass loop's speed (host_kernel.c FP8_UPDATE). Results do not
-  depend on the chunk size (elementwise math, blocks inside chunks), only on the values.
+  FP8_CODES: two roundings, so that the vector loop converts with vcvtps2ph). A dequantised second moment is
+  floored at its block's least positive step (scale x 2^-9), so a value that underflowed to 0 never divides a
+  non-zero first moment by eps alone; an all-zero block keeps scale 0. Under fp8 the fused kernel updates
+  only the moments; the weights take `_fp8_update`, whose denominator multiplies by 1 / sqrt(bc2) where
+  torch's divides by sqrt(bc2) and whose denominator and weight are fused multiply-adds: one division per
+  element instead of two and two operations fewer, for the one-pass loop's speed (host_kernel.c FP8_UPDATE).
+  Results do not depend on the chunk size (elementwise math, blocks inside chunks), only on the values.
 - The NaN/inf verdict is not taken here: the store reads it from the gradient norms the device computed
   (a non-finite norm is a non-finite or overflowing gradient) and skips the whole update; `update_bound`
   lets it refuse, before any weight changes, an update that could overflow fp32 (an absurd learning rate),
@@ -214,30 +214,34 @@ def update_bound(cfg: TrainSpec, step: int, exact: bool = True) -> float:
     return core * (2.0 if exact else 8.0)
 
 
-def step_rate(policy: HostPolicy | str, numel: int, repeats: int = 5, clip: bool = False) -> float:
-    """Parameters per second of one policy's step on a block-like unit of `numel` parameters (two matrices
-    and a norm vector, decayed and not), unclipped or with a clip factor < 1 (the path a clipped step takes),
-    the best of `repeats` (`megatrain probe`). Each timed step finds the cache as training leaves it: its own
-    state cold (a read-only sweep of twice the last-level cache evicts it) and a unit of the same size and
-    policy stepped just before, whose written lines are dirty in the cache and cost the timed step their
-    write-back, as the previous unit's do in a run."""
-    import time
-
+def block_unit(policy: HostPolicy | str, numel: int) -> tuple[list, list, list, list]:
+    """(params, grads, moments, steps) of a block-like unit of `numel` parameters (two matrices and a norm
+    vector), its buffers on huge pages as the host store's are: what `step_rate` and
+    benchmarks/bench_host_optimizer.py step."""
     policy = resolve(policy)
     big = max(1, (numel - 4096) // 2)
     shapes = [(big,), (big,), (4096,)]
+    params = [host_memory.empty(s, torch.float32).copy_(torch.randn(s) * 0.02) for s in shapes]
+    grads = [host_memory.empty(s, grad_dtype(policy)).copy_(torch.randn(s) * 1e-3) for s in shapes]
+    return params, grads, [new_moments(policy, s) for s in shapes], [torch.zeros(()) for _ in shapes]
+
+
+def step_rate(policy: HostPolicy | str, numel: int, repeats: int = 5, clip: bool = False) -> float:
+    """Parameters per second of one policy's step on a `block_unit` of `numel` parameters (decayed and not),
+    unclipped or with a clip factor < 1 (the path a clipped step takes), the best of `repeats` (`megatrain
+    probe`). Each timed step finds the cache as training leaves it: its own state cold (a read-only sweep of
+    twice the last-level cache evicts it) and a unit of the same size and policy stepped just before, whose
+    written lines are dirty in the cache and cost the timed step their write-back, as the previous unit's do in
+    a run."""
+    import time
+
     cfg = TrainSpec(micro_batch=1, seq_len=1)
     clip_factor = torch.tensor(0.5) if clip else None
 
-    def unit():
-        params = [host_memory.empty(s, torch.float32).copy_(torch.randn(s) * 0.02) for s in shapes]  # as the store's
-        grads = [host_memory.empty(s, grad_dtype(policy)).copy_(torch.randn(s) * 1e-3) for s in shapes]
-        return params, grads, [new_moments(policy, s) for s in shapes], [torch.zeros(()) for _ in shapes]
+    def step(unit) -> None:
+        adamw_step(policy, *unit, cfg, 1e-4, [True, True, False], clip_factor)
 
-    def step(u) -> None:
-        adamw_step(policy, *u, cfg, 1e-4, [True, True, False], clip_factor)
-
-    timed, before = unit(), unit()
+    timed, before = block_unit(policy, numel), block_unit(policy, numel)
     # NOTE: the sweep only reads. A sweep that wrote (x += 1, as before) left the cache full of its own dirty
     # lines, whose write-back the timed step paid on top of its traffic: at 2 threads the probed rates came out
     # 10-16% slow against steps interleaved with other units (docs/RESULTS.md, "Host optimizer throughput").
@@ -290,7 +294,7 @@ def _compressed(policy: HostPolicy, params, grads, moments, steps, cfg, lr, wd, 
             else:
                 mc.copy_(m[a:b])
                 vc.copy_(v[a:b])
-            if fp8:  # the moments as the fused kernel updates them; the weights divided once (_fp8_update)
+            if fp8:  # the moments as the fused kernel updates them; the weights by _fp8_update
                 _fused([scratch.p[:n]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
                 _fp8_update(p[a:b], mc, vc, scratch.den[:n], scratch.work[:n], cfg, lr, wd, float(step) + 1)
                 _quant(mc, m[a:b], mom.avg_scale[blocks], scratch.work)
