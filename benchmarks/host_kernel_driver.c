@@ -8,7 +8,8 @@
  *   /tmp/driver fp8 dram      # 24M elements, a 1 GiB read-modify-write before each step (the state from DRAM)
  *   HUGE=1 /tmp/driver fp8 dram   # the arrays advised MADV_HUGEPAGE before first touch, as the host store's
  *   /tmp/driver divider       # ns per 16 lanes of vdivps / vsqrtps (zmm), four independent chains
- * Policies: fp8 (bf16 gradients, fp8 moments), bf16 (bf16 gradients and moments), exact (fp32); a third
+ * Policies: fp8 (bf16 gradients, fp8 moments), bf16 (bf16 gradients and moments), bf16-moments (fp32
+ * gradients, bf16 moments), exact (fp32); a third
  * argument is the clip factor (default 1: unclipped). Bf16 gradients of about 1e-3, weight decay 0.1, betas
  * (0.9, 0.95), moments from zero, one step per call with the step count rising.
  */
@@ -63,24 +64,26 @@ int main(int argc, char **argv) {
 #endif
     }
     if (argc < 3) {
-        fprintf(stderr, "usage: %s fp8|bf16|exact cache|dram [clip factor] | %s divider\n", argv[0], argv[0]);
+        fprintf(stderr, "usage: %s fp8|bf16|bf16-moments|exact cache|dram [clip factor] | %s divider\n", argv[0],
+                argv[0]);
         return 2;
     }
-    const int moments = !strcmp(argv[1], "fp8") ? 2 : !strcmp(argv[1], "bf16") ? 1 : 0;
+    const int moments = !strcmp(argv[1], "fp8") ? 2 : !strncmp(argv[1], "bf16", 4) ? 1 : 0;
+    const int grad_bf16 = moments && strcmp(argv[1], "bf16-moments"); /* bf16-moments: fp32 gradients */
     const int dram = !strcmp(argv[2], "dram");
     const int64_t n = dram ? 24000000 : 16384;
     const int reps = dram ? 1 : 2000, rounds = dram ? 6 : 5;
     const float factor = argc > 3 ? (float)atof(argv[3]) : 1.0f;
     const size_t moment_bytes = moments == 2 ? 1 : moments == 1 ? 2 : 4;
     float *p = alloc(n * 4), *ms = alloc((n / BLOCK + 1) * 4), *vs = alloc((n / BLOCK + 1) * 4);
-    void *g = alloc(n * (moments ? 2 : 4)), *m = alloc(n * moment_bytes), *v = alloc(n * moment_bytes);
+    void *g = alloc(n * (grad_bf16 ? 2 : 4)), *m = alloc(n * moment_bytes), *v = alloc(n * moment_bytes);
     const size_t flush_bytes = (size_t)1 << 30;
     char *flush = dram ? malloc(flush_bytes) : NULL;
     srand(1);
     for (int64_t i = 0; i < n; i++) {
         p[i] = (rand() / (float)RAND_MAX - 0.5f) * 0.1f;
         const float gi = (rand() / (float)RAND_MAX - 0.5f) * 1e-3f;
-        if (moments)
+        if (grad_bf16)
             ((uint16_t *)g)[i] = f32_to_bf16(gi);
         else
             ((float *)g)[i] = gi;
@@ -90,7 +93,7 @@ int main(int argc, char **argv) {
     memset(ms, 0, (n / BLOCK + 1) * 4);
     memset(vs, 0, (n / BLOCK + 1) * 4);
     if (flush) memset(flush, 0, flush_bytes);
-    Hyper h = {1e-3, 0.9, 0.95, 0.1, 1e-8, 1, factor, moments != 0, moments};
+    Hyper h = {1e-3, 0.9, 0.95, 0.1, 1e-8, 1, factor, grad_bf16, moments};
     const int64_t nvec = n - n % 8;
     double best = 1e9;
     for (int r = 0, step = 1; r < rounds; r++) {

@@ -33,6 +33,13 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define FP8_AVX512 1 /* the fp8 loop's vector code (below) */
+#ifdef __AVX512BF16__
+#define BF16_AVX512 1 /* the bf16 moments' vector loop (BF16_VECTOR) */
+#endif
+#endif
 
 #define BLOCK 256 /* elements per pass through the locals (= planner/host_policy.py FP8_BLOCK) */
 
@@ -166,20 +173,107 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
         }                                                                                                   \
     }
 
-/* fp32 or bf16 moments, fp32 or bf16 gradients: one loop over [a, b), all in place. */
-#define LOOP(NAME, GT, LOADG, MT, LOADM, STOREM)                                                             \
+#ifdef BF16_AVX512
+/* BF16_VECTOR: bf16 moments 16 at a time, written out with AVX512_BF16's vcvtneps2bf16 where the compiler's
+ * vectorisation of the element loop rounded each moment with seven integer operations and a NaN select:
+ * 2-vCPU EPYC (Zen 4) VM, benchmarks/host_kernel_driver.c `bf16 cache`, see docs/RESULTS.md. Same bits:
+ * adam_vec1's operations in its order, and c10's rounding (f32_to_bf16), which vcvtneps2bf16 equals on every
+ * fp32 but the subnormals (it flushes them to zero) and the NaNs (it keeps their sign and payload); a vector
+ * holding one of those is rounded by f32_to_bf16 element by element. mt_bf16_check compares the two roundings
+ * on every fp32. */
+static inline __m512 bf16x16_to_f32(const uint16_t *q) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)q)), 16));
+}
+static inline void f32x16_to_bf16(__m512 x, uint16_t *q) {
+    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) != 0, 0)) { /* 0xA1: quiet NaN, signalling NaN, subnormal */
+        float t[16];
+        _mm512_storeu_ps(t, x);
+        for (int j = 0; j < 16; j++) q[j] = f32_to_bf16(t[j]);
+        return;
+    }
+    _mm256_storeu_si256((__m256i *)q, (__m256i)_mm512_cvtneps_pbh(x));
+}
+static inline __m512 grad16(const float *g) { return _mm512_loadu_ps(g); }
+static inline __m512 grad16_bf16(const uint16_t *g) { return bf16x16_to_f32(g); }
+
+/* One vector of 16 (gradient already loaded as fp32): adam_vec1's operations in its order. `small`: torch's lerp
+ * from m (else back from g); `scaled`: factor != 1 (g * 1.0f is g, so an unclipped step skips the multiply). */
+typedef struct {
+    __m512 fac, lerp, b2, c2, bc2, eps, nstep, decay;
+} Vec16;
+static inline __attribute__((always_inline)) void bf16_update16(const int small, const int scaled, float *p,
+                                                                __m512 gr, uint16_t *m, uint16_t *v,
+                                                                const Vec16 *k) {
+    const __m512 gi = scaled ? _mm512_mul_ps(gr, k->fac) : gr;
+    const __m512 mo = bf16x16_to_f32(m), vo = bf16x16_to_f32(v);
+    const __m512 mi = _mm512_fmadd_ps(k->lerp, _mm512_sub_ps(gi, mo), small ? mo : gi);
+    const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(k->c2, gi), gi, _mm512_mul_ps(vo, k->b2));
+    const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), k->bc2), k->eps);
+    const __m512 u = _mm512_div_ps(_mm512_mul_ps(k->nstep, mi), den);
+    _mm512_storeu_ps(p, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(p), k->decay), u));
+    f32x16_to_bf16(mi, m);
+    f32x16_to_bf16(vi, v);
+}
+
+/* Elements [a, the last multiple of 16 from a that b allows) of a loop over bf16 moments (torch's vector body:
+ * b <= nvec), 64 per pass with the element loop's prefetch, compiled once per gradient dtype, lerp form and
+ * `scaled`; returns where it stopped. */
+#define BF16_VECTOR(NAME, GT, LOADG16)                                                                      \
+    static inline __attribute__((always_inline)) int64_t NAME##_body(                                     \
+        const int small, const int scaled, float *restrict p, const GT *restrict g, uint16_t *restrict m,  \
+        uint16_t *restrict v, int64_t a, int64_t b, const Coef *c, float factor) {                         \
+        const Vec16 k = {_mm512_set1_ps(factor), _mm512_set1_ps(c->lerp_coeff), _mm512_set1_ps(c->beta2),   \
+                         _mm512_set1_ps(c->c2), _mm512_set1_ps(c->bc2_sqrt), _mm512_set1_ps(c->eps),        \
+                         _mm512_set1_ps(c->neg_step_size), _mm512_set1_ps(c->decay)};                       \
+        int64_t i = a;                                                                                      \
+        for (; i + CHUNK <= b; i += CHUNK) {                                                                \
+            if (i + AHEAD + CHUNK <= b) {                                                                   \
+                PREFETCH(p, i + AHEAD, i + AHEAD + CHUNK, 1);                                               \
+                PREFETCH(g, i + AHEAD, i + AHEAD + CHUNK, 0);                                               \
+                PREFETCH(m, i + AHEAD, i + AHEAD + CHUNK, 1);                                               \
+                PREFETCH(v, i + AHEAD, i + AHEAD + CHUNK, 1);                                               \
+            }                                                                                               \
+            for (int j = 0; j < CHUNK; j += 16)                                                             \
+                bf16_update16(small, scaled, p + i + j, LOADG16(g + i + j), m + i + j, v + i + j, &k);      \
+        }                                                                                                   \
+        for (; i + 16 <= b; i += 16) bf16_update16(small, scaled, p + i, LOADG16(g + i), m + i, v + i, &k); \
+        return i;                                                                                           \
+    }                                                                                                       \
+    static int64_t NAME(float *restrict p, const GT *restrict g, uint16_t *restrict m, uint16_t *restrict v, \
+                        int64_t a, int64_t b, const Coef *c, float factor) {                                \
+        if (factor != 1.0f)                                                                                 \
+            return c->lerp_small ? NAME##_body(1, 1, p, g, m, v, a, b, c, factor)                           \
+                                 : NAME##_body(0, 1, p, g, m, v, a, b, c, factor);                          \
+        return c->lerp_small ? NAME##_body(1, 0, p, g, m, v, a, b, c, factor)                               \
+                             : NAME##_body(0, 0, p, g, m, v, a, b, c, factor);                              \
+    }
+BF16_VECTOR(vector_f32_bf16, float, grad16)
+BF16_VECTOR(vector_bf16_bf16, uint16_t, grad16_bf16)
+#undef BF16_VECTOR
+#endif
+
+/* fp32 or bf16 moments, fp32 or bf16 gradients: one loop over [a, b), all in place; VEC, where there is one,
+ * takes torch's vector body first, 16 at a time. */
+#define LOOP(NAME, GT, LOADG, MT, LOADM, STOREM, VEC)                                                        \
     static void NAME(float *restrict p, const GT *restrict g, MT *restrict m, MT *restrict v, int64_t a,    \
                      int64_t b, int64_t nvec, const Coef *c, float factor) {                                \
         int64_t split = nvec < a ? a : nvec > b ? b : nvec;                                                 \
-        ELEMENTS(adam_vec1, a, split, LOADG, LOADM, STOREM)                                                 \
+        const int64_t from = VEC;                                                                           \
+        ELEMENTS(adam_vec1, from, split, LOADG, LOADM, STOREM)                                              \
         ELEMENTS(adam_tail1, split, b, LOADG, LOADM, STOREM)                                                \
     }
 
 #define SAME(x) (x)
-LOOP(loop_f32_f32, float, SAME, float, SAME, SAME)
-LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, SAME)
-LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16)
-LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16)
+LOOP(loop_f32_f32, float, SAME, float, SAME, SAME, a)
+LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, SAME, a)
+#ifdef BF16_AVX512
+LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16, vector_f32_bf16(p, g, m, v, a, split, c, factor))
+LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16,
+     vector_bf16_bf16(p, g, m, v, a, split, c, factor))
+#else
+LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16, a)
+LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16, a)
+#endif
 
 /* y rounded as FP8_CODES' first step, to fp16 at a scale of 1 / 256 (fp16(y / 256) x 256, exactly): to 11
  * significant bits by round-to-nearest-even from 2^-6 up, to a multiple of 2^-16 below (fp16's subnormal step
@@ -213,12 +307,10 @@ static inline float block_quantiser(uint32_t top) {
     return r < 0x1.fffffep127f ? r : 0x1.fffffep127f;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#ifdef FP8_AVX512
 /* fp8 moments 16 at a time with AVX-512 (its F16C conversions and byte ops): the same bits as the element
  * functions, written out because the compiler's vectorisation of those left fp8 at half the memory's rate.
  * tests/runtime/test_host_kernel.py checks both conversions against the element functions on every input. */
-#include <immintrin.h>
-#define FP8_AVX512 1
 
 /* 16 float8_e4m3fn -> fp32 times `s256` (the block scale x 256). Each byte sign-extended to 16 bits, shifted
  * left 7 and its bit 14 cleared is the fp16 of its value / 256, exactly: e4m3's exponent (bias 7) lands in
@@ -565,6 +657,27 @@ int64_t mt_fp8_check(uint32_t stride) {
             bad += q[j] != f32_to_fp8(fp16_grid(clamped)) || q[j] != (uint8_t)finite_to_fp8(x[j]) ||
                    qm[j] != q[j] || qv[j] != f32_to_fp8(fp16_grid(fabsf(clamped)));
         }
+    }
+    return bad;
+#else
+    (void)stride;
+    return -1;
+#endif
+}
+
+/* For tests/runtime/test_host_kernel.py: f32x16_to_bf16's mismatches against f32_to_bf16 (c10's rounding) over
+ * every `stride`-th fp32 bit pattern, 16 consecutive ones per vector (stride 1: all 2^32, so every normal value
+ * takes vcvtneps2bf16 and every subnormal and NaN the fallback). -1 where the vector code is not built. */
+int64_t mt_bf16_check(uint32_t stride) {
+#ifdef BF16_AVX512
+    int64_t bad = 0;
+    float x[16];
+    uint16_t q[16];
+    const uint64_t step = stride ? stride : 1;
+    for (uint64_t u0 = 0; u0 < (1ull << 32); u0 += 16 * step) {
+        for (int j = 0; j < 16; j++) x[j] = from_bits((uint32_t)(u0 + (uint64_t)j * step));
+        f32x16_to_bf16(_mm512_loadu_ps(x), q);
+        for (int j = 0; j < 16; j++) bad += q[j] != f32_to_bf16(x[j]);
     }
     return bad;
 #else

@@ -142,6 +142,8 @@ def _load() -> None:
         lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
         lib.mt_fp8_check.restype = ctypes.c_int64
         lib.mt_fp8_check.argtypes = [ctypes.c_uint32]
+        lib.mt_bf16_check.restype = ctypes.c_int64
+        lib.mt_bf16_check.argtypes = [ctypes.c_uint32]
     except (OSError, ValueError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         _state["why_not"] = f"could not build or load {SOURCE.name}: {e}"
         return
@@ -182,6 +184,12 @@ def fp8_check(stride: int = 1) -> int:
     (every code; every `stride`-th fp32 of [-448, 448] and a little past); -1 where that code is not built
     (no AVX-512)."""
     return _state["lib"].mt_fp8_check(stride)
+
+
+def bf16_check(stride: int = 1) -> int:
+    """How many fp32 inputs the AVX512_BF16 rounding of host_kernel.c's bf16 moments gets wrong against c10's
+    (every `stride`-th fp32 bit pattern); -1 where that code is not built (no AVX512_BF16)."""
+    return _state["lib"].mt_bf16_check(stride)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -222,6 +222,17 @@ def test_the_vector_fp8_conversions_agree_with_c10s_on_every_input():
     assert bad == 0
 
 
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_the_vector_bf16_rounding_agrees_with_c10s_on_every_input():
+    """host_kernel.c's bf16 moments rounded by vcvtneps2bf16 (which flushes subnormals and keeps NaN payloads)
+    or, for a vector holding a subnormal or a NaN, element by element: c10's bits on all 2^32 fp32 (a few s)."""
+    assert host_kernel.available(), host_kernel.why_not()
+    bad = host_kernel.bf16_check(1)
+    if bad < 0:
+        pytest.skip("this machine's build has no AVX512_BF16 path")
+    assert bad == 0
+
+
 def test_fp8_blocks_are_multiplied_by_448_over_their_amax():
     """host_state._quantiser: 448 / amax rounded once, at most FLT_MAX (zero and tiny amaxes: the block's values
     times it stay within +-448), and for a non-finite block the reciprocal of the division it had (inf: 0, NaN:
