@@ -149,14 +149,16 @@ def _load() -> None:
         return
     from .host_state import self_check  # NOTE: host_state imports this module; the check needs both paths
 
+    first = None  # what the first guess got wrong: the likeliest tail, so the likeliest fault to name
     for guess in dict.fromkeys((lanes, *OTHER_LANES)):
         _state.update(lib=lib, lanes=guess)
         bad = self_check()
         if not bad:
             return
+        first = first or f"{bad} with the scalar tail at {guess} lanes"
     _state.pop("lib")
-    _state["why_not"] = f"its bits differ from torch's on this machine ({bad}, with the scalar tail at any of " \
-        f"{', '.join(str(n) for n in dict.fromkeys((lanes, *OTHER_LANES)))} lanes)"
+    _state["why_not"] = f"its bits differ from torch's on this machine ({first}; and with the scalar tail at any " \
+        f"of {', '.join(str(n) for n in dict.fromkeys((lanes, *OTHER_LANES)))} lanes)"
 
 
 def available() -> bool:

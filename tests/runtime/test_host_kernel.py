@@ -85,6 +85,10 @@ def test_non_finite_and_overflowing_values_give_the_same_bits(policy):
     """Blocks holding a NaN or an inf (fp8: the store's full conversion, not its finite fast path), gradients
     whose squares overflow fp32, and ordinary blocks beside them in the same tensor."""
     assert host_kernel.available(), host_kernel.why_not()
+    _assert_same_bits_but_nans(policy)
+
+
+def _assert_same_bits_but_nans(policy):
     shapes = [(4 * FP8_BLOCK + 3,), (FP8_BLOCK - 5,)]
     runs = []
     for one_pass in (False, True):
@@ -220,6 +224,37 @@ def test_the_vector_fp8_conversions_agree_with_c10s_on_every_input():
     if bad < 0:
         pytest.skip("this machine's build has no AVX-512 fp8 path")
     assert bad == 0
+
+
+# Targets other hosts compile for (host_kernel.c's paths by what -march=native defines), with the CPU flags a
+# build for them needs to run here: AVX2 only (no AVX-512 fp8 or bf16 loop: the element loops, as the compiler
+# vectorises them), and AVX-512 without VBMI and AVX512_BF16 (the fp8 loop's byte packing by vpmovwb, the
+# compiler's bf16 loop).
+OTHER_TARGETS = {"x86-64-v3": {"avx2", "fma", "f16c", "bmi2"},
+                 "skylake-avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}}
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+@pytest.mark.parametrize("target", list(OTHER_TARGETS))
+def test_a_build_for_another_cpu_gives_the_same_bits(target, fresh_kernel, monkeypatch):
+    """The kernel as a host without this CPU's extensions builds it, built here for that target: it passes the
+    load-time check, and every policy's steps (every size boundary, clip factors, gradients down to subnormal
+    squares, NaN and inf blocks) equal the torch path's bits; its fp8 conversions agree with c10's."""
+    flags = set(host_kernel._cpu().rsplit("|", 1)[-1].split())
+    if not OTHER_TARGETS[target] <= flags:
+        pytest.skip(f"this CPU cannot run a build for {target}")
+    monkeypatch.setattr(host_kernel, "FLAGS", [f"-march={target}" if f == "-march=native" else f
+                                               for f in host_kernel.FLAGS])
+    assert host_kernel.available(), host_kernel.why_not()
+    assert host_kernel.bf16_check(1) == -1  # neither target has AVX512_BF16: the compiler's loop is the one tested
+    assert host_kernel.fp8_check(97) == (0 if target == "skylake-avx512" else -1)
+    shapes = [(7,), (FP8_BLOCK - 1,), (FP8_BLOCK + 9,), (33, 31), (5 * FP8_BLOCK + 23,)]
+    clips = [None, torch.tensor(0.31), None, torch.tensor(0.07)]
+    for policy in POLICIES:
+        for scale in (1.0, 1e-19):
+            _assert_same_bits(_run(policy, shapes, clips, False, scale), _run(policy, shapes, clips, True, scale),
+                              f"{policy} built for {target}, gradient scale {scale}")
+        _assert_same_bits_but_nans(policy)
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
