@@ -164,15 +164,20 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
 #define PREFETCH(PTR, FROM, TO, RW)                                                                         \
     for (int64_t j_ = (FROM); j_ < (TO); j_ += 64 / (int64_t)sizeof(*(PTR)))                                \
         __builtin_prefetch((PTR) + j_, RW, 3)
+/* The four streams of a loop over p, g, m, v (the gradient only read). */
+#define PREFETCH_STATE(FROM, TO)                                                                            \
+    do {                                                                                                    \
+        PREFETCH(p, FROM, TO, 1);                                                                           \
+        PREFETCH(g, FROM, TO, 0);                                                                           \
+        PREFETCH(m, FROM, TO, 1);                                                                           \
+        PREFETCH(v, FROM, TO, 1);                                                                           \
+    } while (0)
 
 /* Elements [FROM, TO) through the element function FN (adam_vec1 or adam_tail1), in place. */
 #define ELEMENTS(FN, FROM, TO, LOADG, LOADM, STOREM)                                                         \
     for (int64_t i0 = FROM; i0 < TO; i0 += CHUNK) {                                                         \
         const int64_t i1 = i0 + CHUNK < TO ? i0 + CHUNK : TO, f0 = i0 + AHEAD, f1 = i1 + AHEAD < TO ? i1 + AHEAD : TO; \
-        PREFETCH(p, f0, f1, 1);                                                                             \
-        PREFETCH(g, f0, f1, 0);                                                                             \
-        PREFETCH(m, f0, f1, 1);                                                                             \
-        PREFETCH(v, f0, f1, 1);                                                                             \
+        PREFETCH_STATE(f0, f1);                                                                             \
         for (int64_t i = i0; i < i1; i++) {                                                                 \
             float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                       \
             FN(p + i, LOADG(g[i]) * factor, &mi, &vi, c, 0);                                                \
@@ -180,6 +185,12 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
             v[i] = STOREM(vi);                                                                              \
         }                                                                                                   \
     }
+
+#ifdef FP8_AVX512
+static inline __m512 bf16x16_to_f32(const uint16_t *q) { /* exactly: a bf16 is an fp32's high half */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)q)), 16));
+}
+#endif
 
 #ifdef BF16_AVX512
 /* BF16_VECTOR: bf16 moments 16 at a time, written out with AVX512_BF16's vcvtneps2bf16 where the compiler's
@@ -189,9 +200,6 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
  * fp32 but the subnormals (it flushes them to zero) and the NaNs (it keeps their sign and payload); a vector
  * holding one of those is rounded by f32_to_bf16 element by element. mt_bf16_check compares the two roundings
  * on every fp32. */
-static inline __m512 bf16x16_to_f32(const uint16_t *q) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)q)), 16));
-}
 static inline void f32x16_to_bf16(__m512 x, uint16_t *q) {
     if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) != 0, 0)) { /* 0xA1: quiet NaN, signalling NaN, subnormal */
         float t[16];
@@ -235,12 +243,7 @@ static inline __attribute__((always_inline)) void bf16_update16(const int small,
                          _mm512_set1_ps(c->neg_step_size), _mm512_set1_ps(c->decay)};                       \
         int64_t i = a;                                                                                      \
         for (; i + CHUNK <= b; i += CHUNK) {                                                                \
-            if (i + AHEAD + CHUNK <= b) {                                                                   \
-                PREFETCH(p, i + AHEAD, i + AHEAD + CHUNK, 1);                                               \
-                PREFETCH(g, i + AHEAD, i + AHEAD + CHUNK, 0);                                               \
-                PREFETCH(m, i + AHEAD, i + AHEAD + CHUNK, 1);                                               \
-                PREFETCH(v, i + AHEAD, i + AHEAD + CHUNK, 1);                                               \
-            }                                                                                               \
+            if (i + AHEAD + CHUNK <= b) PREFETCH_STATE(i + AHEAD, i + AHEAD + CHUNK);                      \
             for (int j = 0; j < CHUNK; j += 16)                                                             \
                 bf16_update16(small, scaled, p + i + j, LOADG16(g + i + j), m + i + j, v + i + j, &k);      \
         }                                                                                                   \
@@ -480,8 +483,7 @@ static inline __attribute__((always_inline)) int fp8_vector_block(
     do {                                                                                                    \
         const int i_ = (I);                                                                                 \
         const int64_t k = a + i_;                                                                           \
-        const __m512 gr = grad_bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(          \
-                                          _mm256_loadu_si256((const __m256i *)((const uint16_t *)grad + k))), 16)) \
+        const __m512 gr = grad_bf16 ? bf16x16_to_f32((const uint16_t *)grad + k)                           \
                                     : _mm512_loadu_ps((const float *)grad + k);                             \
         const __m512 g = scaled ? _mm512_mul_ps(gr, fac) : gr;                                              \
         const __m512 mo = fp8x16_to_f32(m + k, ms256, 0);                                                   \
