@@ -45,14 +45,21 @@ def start(args, tmp_path, pause=None):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+def reached_step(metrics, step, proc) -> bool:
+    """Whether the metrics log has a record of `step` (the run is mid-training); fails if the run has exited."""
+    if metrics.exists() and sum(1 for line in metrics.read_text().splitlines() if line.strip()) >= step:
+        return True
+    if proc.poll() is not None:
+        pytest.fail(f"exited {proc.returncode} early: {proc.stderr.read()[-2000:]}")
+    return False
+
+
 def wait_for_step(metrics, step, proc):
     """Until the metrics log has a record of `step` (the run is mid-training)."""
     deadline = time.monotonic() + TIMEOUT_S
     while time.monotonic() < deadline:
-        if metrics.exists() and sum(1 for line in metrics.read_text().splitlines() if line.strip()) >= step:
+        if reached_step(metrics, step, proc):
             return
-        if proc.poll() is not None:
-            pytest.fail(f"exited {proc.returncode} early: {proc.stderr.read()[-2000:]}")
         time.sleep(0.05)
     pytest.fail("the run never got going")
 
@@ -64,9 +71,17 @@ def tensors(ckpt):
 def test_sigterm_and_sigint_stop_after_the_step_and_resume_bit_identical(token_file, tmp_path):
     ref, term, intr = tmp_path / "ref", tmp_path / "term", tmp_path / "int"
     runs = {ck: start(argv(token_file, ck), tmp_path) for ck in (ref, term, intr)}
-    for ck, sig in ((term, signal.SIGTERM), (intr, signal.SIGINT)):
-        wait_for_step(ck.parent / f"{ck.name}.jsonl", 2, runs[ck])
-        runs[ck].send_signal(sig)
+    # each signalled as soon as it is at step 2: waiting for one run first let the other, built and stepping
+    # faster on a loaded machine, finish and be exiting when its signal came (-2, no message)
+    pending = {term: signal.SIGTERM, intr: signal.SIGINT}
+    deadline = time.monotonic() + TIMEOUT_S
+    while pending and time.monotonic() < deadline:
+        for ck, sig in list(pending.items()):
+            if reached_step(ck.parent / f"{ck.name}.jsonl", 2, runs[ck]):
+                runs[ck].send_signal(sig)
+                del pending[ck]
+        time.sleep(0.02)
+    assert not pending, "the runs never got going"
     outs = {ck: p.communicate(timeout=TIMEOUT_S) for ck, p in runs.items()}
     assert runs[ref].returncode == 0, outs[ref][1][-2000:]
     for ck, code, name in ((term, 143, "SIGTERM"), (intr, 130, "SIGINT")):
