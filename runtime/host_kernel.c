@@ -372,8 +372,21 @@ static inline __m128i f32x16_to_fp8(__m512 x, __m512 r8) {
     return _mm256_castsi256_si128(fp16x32_to_fp8(_mm512_castsi256_si512(TO_FP16(x, r8))));
 }
 static inline void fp8x32_store(__m512 xm, __m512 r8m, __m512 xv, __m512 r8v, uint8_t *qm, uint8_t *qv) {
+#ifdef __AVX512VBMI__ /* each moment's 16 codes rounded as 256-bit integers (the second moment's without the sign
+                       * step), both packed by one two-source byte permutation: a 512-bit operation costs a
+                       * 2-vCPU EPYC (Zen 4) two 256-bit ones, so joining the halves first was an operation more */
+    __m256i hm = TO_FP16(xm, r8m);
+    const __m256i hv = TO_FP16(xv, r8v), one = _mm256_set1_epi16(1), half = _mm256_set1_epi16(0x3F);
+    hm = _mm256_ternarylogic_epi32(hm, _mm256_srai_epi16(hm, 1), _mm256_set1_epi16(0x4000), 0xD8); /* bit 14: sign */
+    const __m256i rm = _mm256_add_epi16(_mm256_add_epi16(hm, half), _mm256_and_si256(_mm256_srli_epi16(hm, 7), one));
+    const __m256i rv = _mm256_add_epi16(_mm256_add_epi16(hv, half), _mm256_and_si256(_mm256_srli_epi16(hv, 7), one));
+    const __m256i high = _mm256_set_epi8(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1); /* bits 7-14 of each */
+    const __m256i codes = _mm256_permutex2var_epi8(_mm256_add_epi16(rm, rm), high, _mm256_add_epi16(rv, rv));
+#else
     const __m256i codes = fp16x32_to_fp8(_mm512_inserti64x4(_mm512_castsi256_si512(TO_FP16(xm, r8m)),
                                                             TO_FP16(xv, r8v), 1));
+#endif
     _mm_storeu_si128((__m128i *)qm, _mm256_castsi256_si128(codes));
     _mm_storeu_si128((__m128i *)qv, _mm256_extracti128_si256(codes, 1));
 }
@@ -479,26 +492,42 @@ static inline __attribute__((always_inline)) int fp8_vector_block(
     const __m512 lerp = _mm512_set1_ps(c->lerp_coeff), b2 = _mm512_set1_ps(c->beta2), c2 = _mm512_set1_ps(c->c2);
     const __m512 ibc2 = _mm512_set1_ps(c->inv_bc2_sqrt), eps = _mm512_set1_ps(c->eps);
     const __m512 nstep = _mm512_set1_ps(c->neg_step_size), r8mv = _mm512_set1_ps(r8m), r8vv = _mm512_set1_ps(r8v);
-#define FP8_UPDATE16(I)                                                                                     \
+    /* G groups of 16 (64 elements per pass, then one at a time), phase by phase across the groups: every
+     * group's expansion and moments, then their square roots (each group's pending codes written between
+     * them), then their divisions and weights. Written group by group (expand, root, divide, codes, then the
+     * next), the core's window held one or two groups' divisions and the divider waited on the expansion in
+     * front of them: 2-vCPU EPYC (Zen 4), `fp8 cache`, 0.540 -> 0.491 ns per element with the same
+     * operations (and 0.476 with fp8x32_store's 256-bit rounding). */
+#define FP8_GROUPS(I0, G)                                                                                   \
     do {                                                                                                    \
-        const int i_ = (I);                                                                                 \
-        const int64_t k = a + i_;                                                                           \
-        const __m512 gr = grad_bf16 ? bf16x16_to_f32((const uint16_t *)grad + k)                           \
-                                    : _mm512_loadu_ps((const float *)grad + k);                             \
-        const __m512 g = scaled ? _mm512_mul_ps(gr, fac) : gr;                                              \
-        const __m512 mo = fp8x16_to_f32(m + k, ms256, 0);                                                   \
-        const __m512 vo = _mm512_max_ps(vtiny, fp8x16_to_f32(v + k, vs256, 1)); /* x < tiny ? tiny : x */   \
-        const __m512 mi = _mm512_fmadd_ps(lerp, _mm512_sub_ps(g, mo), small ? mo : g);                      \
-        const __m512 vi = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(vo, b2));                  \
-        const __m512 den = _mm512_fmadd_ps(_mm512_sqrt_ps(vi), ibc2, eps);                                  \
-        const __m512 u = _mm512_div_ps(_mm512_mul_ps(nstep, mi), den);                                      \
-        _mm512_storeu_ps(p + k, _mm512_fmadd_ps(_mm512_loadu_ps(p + k), decay, u));                         \
-        _mm512_store_ps(bm + i_, mi);                                                                       \
-        _mm512_store_ps(bv + i_, vi);                                                                       \
-        tm = _mm512_range_ps(tm, mi, 0x0B); /* max of |tm|, |mi|, sign cleared */                          \
-        tv = _mm512_max_epu32(tv, _mm512_castps_si512(vi));                                                 \
-        if (pend_m)                                                                                         \
-            fp8x32_store(_mm512_load_ps(om + i_), r8mv, _mm512_load_ps(ov + i_), r8vv, pend_m + i_, pend_v + i_); \
+        __m512 mi[G], vi[G], den[G];                                                                        \
+        for (int j = 0; j < (G); j++) {                                                                     \
+            const int64_t k = a + (I0) + 16 * j;                                                            \
+            const __m512 gr = grad_bf16 ? bf16x16_to_f32((const uint16_t *)grad + k)                       \
+                                        : _mm512_loadu_ps((const float *)grad + k);                         \
+            const __m512 g = scaled ? _mm512_mul_ps(gr, fac) : gr;                                          \
+            const __m512 mo = fp8x16_to_f32(m + k, ms256, 0);                                               \
+            const __m512 vo = _mm512_max_ps(vtiny, fp8x16_to_f32(v + k, vs256, 1)); /* x < tiny ? tiny : x */ \
+            mi[j] = _mm512_fmadd_ps(lerp, _mm512_sub_ps(g, mo), small ? mo : g);                            \
+            vi[j] = _mm512_fmadd_ps(_mm512_mul_ps(c2, g), g, _mm512_mul_ps(vo, b2));                        \
+        }                                                                                                   \
+        for (int j = 0; j < (G); j++) {                                                                     \
+            const int i_ = (I0) + 16 * j;                                                                   \
+            den[j] = _mm512_fmadd_ps(_mm512_sqrt_ps(vi[j]), ibc2, eps);                                     \
+            if (pend_m)                                                                                     \
+                fp8x32_store(_mm512_load_ps(om + i_), r8mv, _mm512_load_ps(ov + i_), r8vv, pend_m + i_,     \
+                             pend_v + i_);                                                                  \
+        }                                                                                                   \
+        for (int j = 0; j < (G); j++) {                                                                     \
+            const int i_ = (I0) + 16 * j;                                                                   \
+            const int64_t k = a + i_;                                                                       \
+            const __m512 u = _mm512_div_ps(_mm512_mul_ps(nstep, mi[j]), den[j]);                            \
+            _mm512_storeu_ps(p + k, _mm512_fmadd_ps(_mm512_loadu_ps(p + k), decay, u));                     \
+            _mm512_store_ps(bm + i_, mi[j]);                                                                \
+            _mm512_store_ps(bv + i_, vi[j]);                                                                \
+            tm = _mm512_range_ps(tm, mi[j], 0x0B); /* max of |tm|, |mi|, sign cleared */                   \
+            tv = _mm512_max_epu32(tv, _mm512_castps_si512(vi[j]));                                          \
+        }                                                                                                   \
     } while (0)
     /* 64 elements per pass: their lines AHEAD prefetched one or two per 16 elements (a block's all at once
      * issued 32 misses in a burst, more than the core's fill buffers hold: out of cache, 12M elements, 1 thread,
@@ -513,13 +542,10 @@ static inline __attribute__((always_inline)) int fp8_vector_block(
             __builtin_prefetch(m + ahead, 1, 3);
             __builtin_prefetch(v + ahead, 1, 3);
         }
-        FP8_UPDATE16(i0);
-        FP8_UPDATE16(i0 + 16);
-        FP8_UPDATE16(i0 + 32);
-        FP8_UPDATE16(i0 + 48);
+        FP8_GROUPS(i0, 4);
     }
-    for (; i0 + 16 <= nv; i0 += 16) FP8_UPDATE16(i0);
-#undef FP8_UPDATE16
+    for (; i0 + 16 <= nv; i0 += 16) FP8_GROUPS(i0, 1);
+#undef FP8_GROUPS
     *top_m = _mm512_reduce_max_epu32(_mm512_and_si512(_mm512_castps_si512(tm), _mm512_set1_epi32(0x7FFFFFFF)));
     *top_v = _mm512_reduce_max_epu32(tv);
     if (*top_v >= 0x7F800000u) { /* a gradient was not finite: the first moment's amax again, its NaNs kept */
