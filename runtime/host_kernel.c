@@ -665,13 +665,14 @@ void mt_adamw(float *param, const void *grad, void *exp_avg, void *exp_avg_sq, f
  * [0, 448] and 256 ulps past it (as clamped to 448), each of both signs (fp8x32_store's second half: their
  * magnitudes); the encodings against FP8_CODES' definition, c10's rounding of fp16_grid of the value, and
  * finite_to_fp8. With stride 1 that is every fp32 a vector encoding meets: fp16_grid equals vcvtps2ph on all of
- * them. -1 where the vector code is not built (no AVX-512 where it was compiled). */
-int64_t mt_fp8_check(uint32_t stride) {
+ * them. Part `part` of `parts` (the patterns dealt out 8 at a time; part 0 also checks the codes), so that
+ * threads can share the work. -1 where the vector code is not built (no AVX-512 where it was compiled). */
+int64_t mt_fp8_check(uint32_t stride, uint32_t part, uint32_t parts) {
 #ifdef FP8_AVX512
     int64_t bad = 0;
     uint8_t q[16], qm[16], qv[16];
     float x[16], y[16];
-    for (int c = 0; c < 256; c += 16) { /* both decodings (`positive`: of the codes below 0x7f) */
+    for (int c = 0; part == 0 && c < 256; c += 16) { /* both decodings (`positive`: of the codes below 0x7f) */
         for (int j = 0; j < 16; j++) q[j] = (uint8_t)(c + j);
         _mm512_storeu_ps(x, fp8x16_to_f32(q, _mm512_set1_ps(256.0f), 0));
         _mm512_storeu_ps(y, fp8x16_to_f32(q, _mm512_set1_ps(256.0f), 1));
@@ -680,7 +681,7 @@ int64_t mt_fp8_check(uint32_t stride) {
                    (q[j] < 0x7f && bits(y[j]) != bits(fp8_to_f32(q[j])));
     }
     const uint64_t top = 0x43E00100u, step = stride ? stride : 1; /* 256 ulps past 448: as clamped */
-    for (uint64_t u0 = 0; u0 <= top; u0 += 8 * step) {
+    for (uint64_t u0 = 8 * step * part; u0 <= top; u0 += 8 * step * parts) {
         for (int j = 0; j < 16; j++) { /* 8 patterns, positive then negative */
             const uint64_t u = u0 + (uint64_t)(j % 8) * step;
             x[j] = from_bits((uint32_t)(u < top ? u : top) | (j < 8 ? 0u : 0x80000000u));
@@ -696,28 +697,29 @@ int64_t mt_fp8_check(uint32_t stride) {
     }
     return bad;
 #else
-    (void)stride;
+    (void)stride, (void)part, (void)parts;
     return -1;
 #endif
 }
 
 /* For tests/runtime/test_host_kernel.py: f32x16_to_bf16's mismatches against f32_to_bf16 (c10's rounding) over
  * every `stride`-th fp32 bit pattern, 16 consecutive ones per vector (stride 1: all 2^32, so every normal value
- * takes vcvtneps2bf16 and every subnormal and NaN the fallback). -1 where the vector code is not built. */
-int64_t mt_bf16_check(uint32_t stride) {
+ * takes vcvtneps2bf16 and every subnormal and NaN the fallback); part `part` of `parts`, dealt out a vector at a
+ * time. -1 where the vector code is not built. */
+int64_t mt_bf16_check(uint32_t stride, uint32_t part, uint32_t parts) {
 #ifdef BF16_AVX512
     int64_t bad = 0;
     float x[16];
     uint16_t q[16];
     const uint64_t step = stride ? stride : 1;
-    for (uint64_t u0 = 0; u0 < (1ull << 32); u0 += 16 * step) {
+    for (uint64_t u0 = 16 * step * part; u0 < (1ull << 32); u0 += 16 * step * parts) {
         for (int j = 0; j < 16; j++) x[j] = from_bits((uint32_t)(u0 + (uint64_t)j * step));
         f32x16_to_bf16(_mm512_loadu_ps(x), q);
         for (int j = 0; j < 16; j++) bad += q[j] != f32_to_bf16(x[j]);
     }
     return bad;
 #else
-    (void)stride;
+    (void)stride, (void)part, (void)parts;
     return -1;
 #endif
 }

@@ -217,8 +217,9 @@ def test_odd_fp8_state_gives_the_same_bits():
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
 def test_the_vector_fp8_conversions_agree_with_c10s_on_every_input():
     """host_kernel.c's AVX-512 conversions against its element functions (c10's rounding), exhaustively: all
-    256 codes expanded, and every fp32 of [-448, 448] rounded to e4m3 (2.3e9 values, 10-35 s by machine), and
-    the few past 448 that a block's largest value times its quantiser can give."""
+    256 codes expanded, and every fp32 of [-448, 448] rounded to e4m3 (2.3e9 values, 10-35 s of one core by
+    machine, shared between the cores), and the few past 448 that a block's largest value times its quantiser
+    can give."""
     assert host_kernel.available(), host_kernel.why_not()
     bad = host_kernel.fp8_check(1)
     if bad < 0:
