@@ -248,7 +248,9 @@ def choose(ir: ModelIR, host_memory_bytes: int, clip: bool, request: str = "auto
             alt = f" or --host-policy {fit[0]} ({format_bytes(floors[fit[0]])})" if fit else ""
             _refuse(ir, host_memory_bytes, floors[p.name], f"--host-policy {p.name} "
                     f"({p.bytes_per_param(clip):.3g} B/param)", alt)
-        reason = f"{p.name}: asked for by --host-policy; needs {format_bytes(floors[p.name])} of {mem} before checkpoints"
+        beyond = f", beyond auto's {QUALITY_TOLERANCE:.1%}" if p.quality_cost is not None and not _eligible(p) else ""
+        reason = (f"{p.name} ({p.bytes_per_param(clip):.3g} B/param, {_cost(p)}{beyond}): asked for by --host-policy; "
+                  f"needs {format_bytes(floors[p.name])} of {mem} before checkpoints")
         return Choice(p, floors[p.name], reason, (reason, *lines))
     candidates = [POLICIES[n] for n in ORDER if _eligible(POLICIES[n])]
     for p in candidates:

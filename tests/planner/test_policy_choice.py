@@ -79,6 +79,11 @@ def test_explicit_policy_is_used_or_refused_in_one_line(capsys):
     assert main([*argv, "--host-policy", "bf16"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["host_policy"]["name"] == "bf16" and "asked for by --host-policy" in out["host_policy"]["reason"]
+    assert main([*argv, "--host-policy", "fp8"]) == 0  # a policy auto would not take says why it would not
+    reason = json.loads(capsys.readouterr().out)["host_policy"]["reason"]
+    cost = hp.POLICIES["fp8"].quality_cost
+    assert reason.startswith(f"fp8 (6.03 B/param, quality cost {cost:+.2%}") and \
+        (f"beyond auto's {hp.QUALITY_TOLERANCE:.1%}" in reason) == (cost > hp.QUALITY_TOLERANCE)
     assert main([*argv[:-1], "--host-policy", "exact", "--host-mem", "7MiB"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--host-policy exact" in err and "or --host-policy fp8" in err
