@@ -495,9 +495,10 @@ static inline __attribute__((always_inline)) int fp8_vector_block(
     /* G groups of 16 (64 elements per pass, then one at a time), phase by phase across the groups: every
      * group's expansion and moments, then their square roots (each group's pending codes written between
      * them), then their divisions and weights. Written group by group (expand, root, divide, codes, then the
-     * next), the core's window held one or two groups' divisions and the divider waited on the expansion in
-     * front of them: 2-vCPU EPYC (Zen 4), `fp8 cache`, 0.540 -> 0.491 ns per element with the same
-     * operations (and 0.476 with fp8x32_store's 256-bit rounding). */
+     * next group) the same operations took 0.540 ns per element, phase by phase 0.491 (2-vCPU EPYC, Zen 4,
+     * `fp8 cache`; 0.476 with fp8x32_store's 256-bit rounding): independent square roots and divisions side by
+     * side in the program, most likely more of them in the core's window at once. Codes after the divisions
+     * or before the expansions measured slower. */
 #define FP8_GROUPS(I0, G)                                                                                   \
     do {                                                                                                    \
         __m512 mi[G], vi[G], den[G];                                                                        \
