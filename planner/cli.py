@@ -107,10 +107,10 @@ def _common(p: argparse.ArgumentParser, default_hardware: str = "h100-sxm") -> N
 
 
 def _host_policy(text: str) -> str:
-    from .host_policy import resolve
+    from .host_policy import canonical, resolve
 
     try:
-        return text if text == "auto" else resolve(text).name
+        return "auto" if canonical(text) == "auto" else resolve(text).name
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

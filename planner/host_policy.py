@@ -109,11 +109,16 @@ POLICIES: dict[str, HostPolicy] = {p.name: p for p in (
 ORDER = tuple(POLICIES)  # most exact first
 
 
+def canonical(name: str) -> str:
+    """A policy name as written by hand (`FP8`, `bf16_moments`, ` exact`) in the form POLICIES keys it."""
+    return name.strip().lower().replace("_", "-")
+
+
 def resolve(name: str | HostPolicy) -> HostPolicy:
     if isinstance(name, HostPolicy):
         return name
     try:
-        return POLICIES[name]
+        return POLICIES[canonical(name)]
     except KeyError:
         raise ValueError(f"unknown host policy {name!r}; use auto or one of {', '.join(ORDER)}") from None
 
@@ -241,7 +246,7 @@ def choose(ir: ModelIR, host_memory_bytes: int, clip: bool, request: str = "auto
         lines.append(f"{name:<13} {p.bytes_per_param(clip):.3g} B/param ({floors[name] / params:.3g} with "
                      f"buffers): {format_bytes(floors[name])} {fits}; {_cost(p)}{auto}; {p.summary}")
     mem = format_bytes(host_memory_bytes)
-    if request != "auto":
+    if canonical(request) != "auto":
         p = resolve(request)
         if floors[p.name] > host_memory_bytes:
             fit = [n for n in ORDER if floors[n] <= host_memory_bytes]

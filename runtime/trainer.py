@@ -59,6 +59,8 @@ from megatrain.models import load_model_config
 from megatrain.planner import Plan, TrainSpec, hardware_preset, plan
 from megatrain.planner.bytesize import format_bytes, parse_bytes
 from megatrain.planner.hardware import hardware_for_device
+from megatrain.planner.host_policy import canonical as canonical_policy
+from megatrain.planner.host_policy import resolve as resolve_policy
 
 from . import checkpoint
 from .cpus import resolve as resolve_cpus
@@ -172,6 +174,9 @@ class Trainer:
             raise ValueError("checkpoint_every must be >= 0 and needs a checkpoint_dir")
         if keep_checkpoints is not None and keep_checkpoints < 1:
             raise ValueError(f"keep_checkpoints must be >= 1 (or None: keep all), got {keep_checkpoints}")
+        if not isinstance(host_policy, str):
+            raise ValueError(f"host_policy must be 'auto' or a policy's name, got {type(host_policy).__name__}")
+        host_policy = "auto" if canonical_policy(host_policy) == "auto" else resolve_policy(host_policy).name
         self._closed = False
         self.comm, self.rank = comm, comm.rank if comm is not None else 0
         self.config = load_model_config(model)

@@ -79,7 +79,7 @@ def test_explicit_policy_is_used_or_refused_in_one_line(capsys):
     assert main([*argv, "--host-policy", "bf16"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["host_policy"]["name"] == "bf16" and "asked for by --host-policy" in out["host_policy"]["reason"]
-    assert main([*argv, "--host-policy", "fp8"]) == 0  # a policy auto would not take says why it would not
+    assert main([*argv, "--host-policy", "FP8"]) == 0  # as written by hand; and auto would not take it: why
     reason = json.loads(capsys.readouterr().out)["host_policy"]["reason"]
     cost = hp.POLICIES["fp8"].quality_cost
     assert reason.startswith(f"fp8 (6.03 B/param, quality cost {cost:+.2%}") and \
