@@ -107,10 +107,10 @@ def _common(p: argparse.ArgumentParser, default_hardware: str = "h100-sxm") -> N
 
 
 def _host_policy(text: str) -> str:
-    from .host_policy import canonical, resolve
+    from .host_policy import read_request
 
     try:
-        return "auto" if canonical(text) == "auto" else resolve(text).name
+        return read_request(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

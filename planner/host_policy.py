@@ -114,6 +114,11 @@ def canonical(name: str) -> str:
     return name.strip().lower().replace("_", "-")
 
 
+def read_request(name: str) -> str:
+    """--host-policy / host_policy= as given: "auto", or the name of the policy it resolves to (ValueError if none)."""
+    return "auto" if canonical(name) == "auto" else resolve(name).name
+
+
 def resolve(name: str | HostPolicy) -> HostPolicy:
     if isinstance(name, HostPolicy):
         return name

@@ -24,7 +24,8 @@
  * (host_state._quant: x r / 256 to float16, times 256, to float8_e4m3fn). A value within 2^-8 of a step of an
  * e4m3 midpoint (2^-7 of values) lands on it and goes to the even neighbour, the wrong one for half of them:
  * the error stays under 0.504 of a step. Two steps because the vector loop then converts with vcvtps2ph and
- * rounds 32 codes at a time as 16-bit integers: 17 vector operations per 16 elements of both moments, not 27.
+ * rounds the codes as 16-bit integers: 17 vector operations per 16 elements of both moments, not 27 (as measured
+ * when introduced; fp16x16_round below).
  *
  * Both measured with benchmarks/host_kernel_driver.c (ns per element, in cache / from DRAM on huge pages): c10's
  * rounding and separate operations 0.575-0.583 / 0.631-0.639, FP8_CODES 0.508-0.516 / 0.568-0.576, and
@@ -345,50 +346,37 @@ static inline int codes_above(const uint8_t *q, int low) {
     return _mm512_cmpge_epu8_mask(x, _mm512_set1_epi8(low ? 0x7F : (char)0xFF)) != 0;
 }
 
-/* FP8_CODES 16 or 32 at a time. fp16x32_to_fp8: 32 fp16 h of y = x r / 256 (|y| <= 1.75: bit 14, the top of
- * the exponent, is 0) to their codes: bit 14 takes the sign (bit 15), the bits are rounded to nearest even at
- * bit 7 as integers (e4m3's step, 2^-17 in fp16's subnormals, which the step continues exactly, and 3 mantissa
- * bits above), and bits 7-14 are the code. f32x16_to_fp8: x times r8 = r x 2^-8 (r: the block's quantiser, r8
- * normal), which is x r / 256 exactly (where it is not, |x r| < 2^-118 and both are codes of +-0), to fp16 by
- * vcvtps2ph (round-to-nearest-even), to codes. No clamp: |x| <= amax and r <= 448 / amax (1 + 2^-24), so |x r|
- * is at most a few ulps above 448, whose fp16 at 1 / 256 is 1.75 as clamped. fp8x32_store: the codes of 16 first
- * and 16 second moments, rounded together. */
-static inline __m256i fp16x32_to_fp8(__m512i h) {
-    h = _mm512_ternarylogic_epi32(h, _mm512_srai_epi16(h, 1), _mm512_set1_epi16(0x4000), 0xD8); /* bit 14: sign */
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi16(h, 7), _mm512_set1_epi16(1));
-    const __m512i r = _mm512_add_epi16(_mm512_add_epi16(h, _mm512_set1_epi16(0x3F)), odd);
-#ifdef __AVX512VBMI__ /* bits 7-14 are the high byte of r + r: one byte permutation packs them */
-    const __m512i high = _mm512_set_epi8(127, 125, 123, 121, 119, 117, 115, 113, 111, 109, 107, 105, 103, 101, 99,
-                                         97, 95, 93, 91, 89, 87, 85, 83, 81, 79, 77, 75, 73, 71, 69, 67, 65, 63, 61,
-                                         59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27, 25, 23,
-                                         21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    return _mm512_castsi512_si256(_mm512_permutexvar_epi8(high, _mm512_add_epi16(r, r)));
+/* FP8_CODES 16 or 32 at a time. fp16x16_round: 16 fp16 h of y = x r / 256 (|y| <= 1.75: bit 14, the top of
+ * the exponent, is 0) rounded as integers: with `sign`, bit 14 first takes the sign (bit 15; a second moment's
+ * values are not negative and skip it), then the bits are rounded to nearest even at bit 7 (e4m3's step, 2^-17 in
+ * fp16's subnormals, which the step continues exactly, and 3 mantissa bits above); bits 7-14 are the code, the
+ * high byte of the word doubled, which is what it returns. high_bytes16 packs the 16 codes. f32x16_to_fp8: x times
+ * r8 = r x 2^-8 (r: the block's quantiser, r8 normal), which is x r / 256 exactly (where it is not, |x r| <
+ * 2^-118 and both are codes of +-0), to fp16 by vcvtps2ph (round-to-nearest-even), to codes. No clamp: |x| <= amax
+ * and r <= 448 / amax (1 + 2^-24), so |x r| is at most a few ulps above 448, whose fp16 at 1 / 256 is 1.75 as
+ * clamped. fp8x32_store: the codes of 16 first and 16 second moments. All in 256-bit vectors: a 512-bit operation
+ * costs a 2-vCPU EPYC (Zen 4) two 256-bit ones, so joining two moments' halves into one was an operation more
+ * (docs/RESULTS.md, "fp8 phase by phase"). */
+static inline __m256i fp16x16_round(__m256i h, const int sign) {
+    if (sign) h = _mm256_ternarylogic_epi32(h, _mm256_srai_epi16(h, 1), _mm256_set1_epi16(0x4000), 0xD8);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi16(h, 7), _mm256_set1_epi16(1));
+    const __m256i r = _mm256_add_epi16(_mm256_add_epi16(h, _mm256_set1_epi16(0x3F)), odd);
+    return _mm256_add_epi16(r, r);
+}
+static inline __m128i high_bytes16(__m256i w) {
+#ifdef __AVX512VBMI__ /* one byte permutation */
+    const __m256i high = _mm256_set_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 31, 29, 27, 25, 23, 21, 19,
+                                         17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm256_castsi256_si128(_mm256_permutexvar_epi8(high, w));
 #else
-    return _mm512_cvtepi16_epi8(_mm512_srli_epi16(r, 7));
+    return _mm256_cvtepi16_epi8(_mm256_srli_epi16(w, 8));
 #endif
 }
 #define TO_FP16(X, R8) _mm512_cvtps_ph(_mm512_mul_ps(X, R8), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-static inline __m128i f32x16_to_fp8(__m512 x, __m512 r8) {
-    return _mm256_castsi256_si128(fp16x32_to_fp8(_mm512_castsi256_si512(TO_FP16(x, r8))));
-}
+static inline __m128i f32x16_to_fp8(__m512 x, __m512 r8) { return high_bytes16(fp16x16_round(TO_FP16(x, r8), 1)); }
 static inline void fp8x32_store(__m512 xm, __m512 r8m, __m512 xv, __m512 r8v, uint8_t *qm, uint8_t *qv) {
-#ifdef __AVX512VBMI__ /* each moment's 16 codes rounded as 256-bit integers (the second moment's without the sign
-                       * step), both packed by one two-source byte permutation: a 512-bit operation costs a
-                       * 2-vCPU EPYC (Zen 4) two 256-bit ones, so joining the halves first was an operation more */
-    __m256i hm = TO_FP16(xm, r8m);
-    const __m256i hv = TO_FP16(xv, r8v), one = _mm256_set1_epi16(1), half = _mm256_set1_epi16(0x3F);
-    hm = _mm256_ternarylogic_epi32(hm, _mm256_srai_epi16(hm, 1), _mm256_set1_epi16(0x4000), 0xD8); /* bit 14: sign */
-    const __m256i rm = _mm256_add_epi16(_mm256_add_epi16(hm, half), _mm256_and_si256(_mm256_srli_epi16(hm, 7), one));
-    const __m256i rv = _mm256_add_epi16(_mm256_add_epi16(hv, half), _mm256_and_si256(_mm256_srli_epi16(hv, 7), one));
-    const __m256i high = _mm256_set_epi8(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
-                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1); /* bits 7-14 of each */
-    const __m256i codes = _mm256_permutex2var_epi8(_mm256_add_epi16(rm, rm), high, _mm256_add_epi16(rv, rv));
-#else
-    const __m256i codes = fp16x32_to_fp8(_mm512_inserti64x4(_mm512_castsi256_si512(TO_FP16(xm, r8m)),
-                                                            TO_FP16(xv, r8v), 1));
-#endif
-    _mm_storeu_si128((__m128i *)qm, _mm256_castsi256_si128(codes));
-    _mm_storeu_si128((__m128i *)qv, _mm256_extracti128_si256(codes, 1));
+    _mm_storeu_si128((__m128i *)qm, f32x16_to_fp8(xm, r8m));
+    _mm_storeu_si128((__m128i *)qv, high_bytes16(fp16x16_round(TO_FP16(xv, r8v), 0)));
 }
 #undef TO_FP16
 #endif

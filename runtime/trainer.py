@@ -59,8 +59,7 @@ from megatrain.models import load_model_config
 from megatrain.planner import Plan, TrainSpec, hardware_preset, plan
 from megatrain.planner.bytesize import format_bytes, parse_bytes
 from megatrain.planner.hardware import hardware_for_device
-from megatrain.planner.host_policy import canonical as canonical_policy
-from megatrain.planner.host_policy import resolve as resolve_policy
+from megatrain.planner.host_policy import read_request as read_policy_request
 
 from . import checkpoint
 from .cpus import resolve as resolve_cpus
@@ -176,7 +175,7 @@ class Trainer:
             raise ValueError(f"keep_checkpoints must be >= 1 (or None: keep all), got {keep_checkpoints}")
         if not isinstance(host_policy, str):
             raise ValueError(f"host_policy must be 'auto' or a policy's name, got {type(host_policy).__name__}")
-        host_policy = "auto" if canonical_policy(host_policy) == "auto" else resolve_policy(host_policy).name
+        host_policy = read_policy_request(host_policy)
         self._closed = False
         self.comm, self.rank = comm, comm.rank if comm is not None else 0
         self.config = load_model_config(model)
