@@ -9,6 +9,9 @@ from importlib import import_module
 
 __version__ = "0.1.0"
 
+if __import__("os").environ.get("MEGATRAIN_FAKE_CUDA", "") == "1":  # CUDA code on a CPU (fake_cuda/__init__.py)
+    import_module("megatrain.fake_cuda").install_from_env()
+
 _EXPORTS = {
     "trace": "megatrain.ir.trace",
     "ModelConfig": "megatrain.models",

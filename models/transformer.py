@@ -207,9 +207,9 @@ def native_gqa(q: Tensor, target: str = "cuda") -> bool:
 
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, target: str = "cuda") -> Tensor:
     """Causal SDPA; k and v may have fewer heads than q (grouped-query attention). On the meta device
-    (tracing) it is the fused flash kernel that SDPA dispatches to on the target (CUDA's or the CPU's), so the
-    trace records what that kernel saves for backward and never materialises the (T, T) scores, where SDPA's
-    math fallback on meta would."""
+    (tracing) it is the fused kernel that SDPA dispatches to on the target (the CPU's flash; CUDA's flash in
+    bf16/fp16, its memory-efficient kernel in fp32), so the trace records what that kernel saves for backward
+    and never materialises the (T, T) scores, where SDPA's math fallback on meta would."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1 and not native_gqa(q, target):
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -218,6 +218,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, target: str = "cuda") -> T
         if q.device.type == "meta":
             if target == "cpu":
                 return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+            if q.dtype == torch.float32:  # CUDA runs fp32 through memory-efficient attention, not flash
+                return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[0]
             return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True)[0]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)
 

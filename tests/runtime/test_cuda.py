@@ -169,6 +169,7 @@ def test_staged_bf16_loads_and_converting_stores_on_cuda(monkeypatch):
         store = HostStore(ir, train, policy="bf16", program=p.program, device="cuda")
         for u in ir.units:
             slot = torch.full((u.flat_numel,), float("nan"), dtype=torch.bfloat16, device="cuda")
+            torch.cuda.synchronize()  # the fill ran on the default stream, which the h2d stream does not wait on
             dev.submit("h2d", lambda u=u, slot=slot: store.load_params(u.name, slot, dev), "load")
             dev.synchronize()
             assert torch.equal(slot.cpu(), store.units[u.name].master.to(torch.bfloat16)), u.name

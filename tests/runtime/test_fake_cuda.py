@@ -1,0 +1,137 @@
+"""The fake CUDA backend itself (megatrain/fake_cuda/): what it refuses, what it records, and that the CUDA
+path's step keeps to its protocol under it. Runs in `make test-cuda-fake`; skipped on a real GPU."""
+
+import pytest
+import torch
+from runtime_schedules import make_batches, plans_by_shape, streamed_train
+
+from megatrain import fake_cuda
+from megatrain.models import ModelConfig, preset
+from megatrain.planner import TrainSpec
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not fake_cuda.installed(), reason="checks the fake CUDA backend (make test-cuda-fake)")]
+
+TINY = preset("tiny")
+
+
+def test_device_tensors_say_cuda_and_refuse_host_operands():
+    a = torch.randn(4, 8, device="cuda")
+    assert a.is_cuda and a.device == torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a * torch.randn(4, 8)
+    assert (a * torch.tensor(2.0)).is_cuda  # a 0-dim host scalar is allowed, as on a GPU
+    with pytest.raises(TypeError, match="numpy"):
+        a.numpy()
+    assert torch.equal(a.cpu() * 2, (a * 2).cpu()) and not a.cpu().is_cuda
+
+
+def test_parameters_and_gradients_stay_on_the_device():
+    m = torch.nn.Linear(8, 4).cuda()
+    assert all(p.is_cuda and isinstance(p, torch.nn.Parameter) for p in m.parameters())
+    m(torch.randn(2, 8, device="cuda")).square().sum().backward()
+    assert all(p.grad.is_cuda for p in m.parameters())
+    torch.optim.AdamW(m.parameters(), fused=True).step()
+
+
+def test_a_read_on_another_stream_needs_an_event_wait():
+    a = torch.ones(1024, device="cuda")  # written on the default stream
+    side = torch.cuda.Stream()
+    with pytest.raises(fake_cuda.ProtocolError, match="does not know of"), torch.cuda.stream(side):
+        a.sum()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert float(a.sum().cpu()) == 1024.0
+    torch.cuda.current_stream().wait_stream(side)  # before `a` is freed: its memory goes back to this stream
+
+
+def test_host_memory_reused_only_after_the_copy_that_reads_it():
+    stage = torch.empty(1024, pin_memory=True)
+    assert stage.is_pinned()
+    dst = torch.empty(1024, device="cuda")
+    h2d = torch.cuda.Stream()
+    h2d.wait_stream(torch.cuda.current_stream())
+    stage.fill_(1.0)
+    with torch.cuda.stream(h2d):
+        dst.copy_(stage, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+    with pytest.raises(fake_cuda.ProtocolError, match="write of host memory"):
+        stage.fill_(2.0)  # the copy may still be reading it
+    done.synchronize()
+    stage.fill_(2.0)
+    torch.cuda.current_stream().wait_stream(h2d)  # before `dst` is freed
+    kinds = [k for k, _ in fake_cuda.state().syncs]
+    assert "event.synchronize" in kinds
+
+
+def test_device_memory_freed_under_another_streams_use_is_a_violation():
+    state = fake_cuda.state()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    x = torch.ones(256, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add_(1)
+    del x
+    import gc
+
+    gc.collect()
+    assert any("freed while stream" in v for v in state.violations)
+    state.violations.clear()
+    y = torch.ones(256, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y.add_(1)
+    y.record_stream(side)  # handed over: the allocator keeps it until side passes this point
+    del y
+    gc.collect()
+    assert not state.violations
+
+
+def test_the_allocator_cap_raises_out_of_memory():
+    torch.cuda.set_per_process_memory_fraction(2**20 / torch.cuda.get_device_properties(0).total_memory)
+    try:
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            torch.empty(2**21, dtype=torch.uint8, device="cuda")
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def test_the_eager_reference_builds_its_rope_tables_on_the_device():
+    """runtime/reference.py's loss made its RoPE tables on the host: on a GPU, apply_rope met CPU tables."""
+    from megatrain.runtime.reference import EagerTrainer
+
+    train = TrainSpec(micro_batch=1, seq_len=16, dtype="fp32", total_steps=1)
+    trainer = EagerTrainer(TINY, train)
+    trainer.model.cuda()
+    x = torch.randint(0, TINY.vocab_size, (1, 16), device="cuda")
+    assert isinstance(trainer.step([(x, x)]), float)
+
+
+@pytest.mark.parametrize("config", [TINY, ModelConfig(**{**TINY.model_dump(), "n_layers": 2,
+                                                          "moe": {"n_experts": 4, "top_k": 2}})],
+                         ids=["dense", "moe"])
+def test_a_streamed_step_synchronizes_only_where_its_program_says(config):
+    """During steps the host waits on the GPU only in the device's named places (a host stream waiting on a
+    GPU record, the staging ring's reuse, synchronize at the step's end), never implicitly (.item(),
+    .tolist() or a blocking copy of a device tensor), and its pinned bytes are the plan's."""
+    train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="bf16", lr=2e-3, total_steps=2, clip_norm=1.0)
+    batches = make_batches(config, train, steps=2)
+    state = fake_cuda.state()
+    for p in plans_by_shape(config, train, budgets_mib=(4, 64), target="cuda").values():
+        state.syncs.clear()
+        before = state.registered_bytes
+        store, losses, _ = streamed_train(p, batches, kind="cuda")
+        # NOTE: a routed layer reads its experts' row counts (models/routing.py read_counts, its one named
+        # device read: the per-expert matmuls' split sizes); nothing else may wait on the GPU implicitly
+        implicit = [(k, where) for k, where in state.syncs if k.startswith("implicit") and "read_counts" not in where]
+        assert not implicit, implicit[:5]
+        assert {where.split(":")[0] for k, where in state.syncs if not k.startswith("implicit")} \
+            <= {"runtime/device.py"}, state.syncs[:5]
+        from megatrain.planner.host_policy import PAGE, pinned_region_bytes
+
+        pinned = [b.nbytes for b in store._buffers() if b.pinned]  # page-locked: the region less its slack page
+        assert state.registered_bytes - before == pinned_region_bytes(pinned) - PAGE > 0
+        store.close()
+        assert state.registered_bytes == before
