@@ -95,6 +95,20 @@ def choose_scale(seq_len: int, batch: int, loss_chunk: int, forbidden: set[int],
                      "no model dimension; trace with scaled=False and chunk_options=False")
 
 
+def _flash_backward_workspace(grad_out, q, k, v, *_):
+    """What CUDA's flash-attention backward allocates besides its outputs (FlashAttention-2, as torch ships
+    it): an fp32 accumulator of dq (B, T, H, hd rounded up to 32) and, for grouped-query heads, dk and dv
+    expanded to the query's heads before they are summed back (meta tensors: shapes only)."""
+    B, H, T, hd = q.shape
+    out = [torch.empty((B, T, H, -(-hd // 32) * 32), dtype=torch.float32, device=q.device)]
+    if k.shape[1] != H:
+        out += [torch.empty((B, k.shape[2], H, hd), dtype=q.dtype, device=q.device) for _ in range(2)]
+    return out
+
+
+_WORKSPACE = {torch.ops.aten._scaled_dot_product_flash_attention_backward.default: _flash_backward_workspace}
+
+
 class LiveBytes(TorchDispatchMode):
     """Follows storages created by ops until they die, classed by `scale` (all (0, 0) without one): the live
     bytes after every allocation (as classed sums, `sums`), and the dispatched ops, per `tiled.region` too.
@@ -116,7 +130,12 @@ class LiveBytes(TorchDispatchMode):
         self.region_ops: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        workspace = _WORKSPACE.get(func)
+        scratch = workspace(*args) if workspace is not None else ()
+        for t in scratch:  # allocated before the op's outputs and alive with them, freed when it returns
+            self._track(t)
         out = func(*args, **(kwargs or {}))
+        del scratch
         self.ops += 1
         name = tiled.current_region()
         if name is not None:

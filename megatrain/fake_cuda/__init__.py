@@ -155,6 +155,7 @@ def _patch(torch, mode) -> None:
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             _stream_objs.append(self)
+            _patch_host_kernels()
 
     def set_fraction(fraction, device=None):
         st.cap = None if fraction >= 1.0 else int(fraction * st.total_memory)
@@ -207,6 +208,33 @@ def _patch(torch, mode) -> None:
     has_torch_function = autograd.has_torch_function
     _set(autograd, "has_torch_function", lambda args: not bypassing() and has_torch_function(args))
     _set(torch.__future__, "_overwrite_module_params_on_conversion", True)
+
+
+def _host_call(fn, reads, writes, label):
+    """`fn` with its host memory accesses checked: megatrain's C kernels read and write through pointers,
+    which the mode does not see (the cast into a staging buffer, the optimizer on d2h-written gradients)."""
+    from .tensors import _record
+
+    def call(*args, **kwargs):
+        _record(reads(args, kwargs), writes(args, kwargs), label, False)
+        return fn(*args, **kwargs)
+    call.__wrapped__ = fn
+    return call
+
+
+def _patch_host_kernels() -> None:
+    """Once a CUDA stream exists (megatrain's runtime is imported by then; importing it at install would
+    import megatrain from inside its own __init__)."""
+    if _saved.get("host_kernels"):
+        return
+    _saved["host_kernels"] = True
+    from megatrain.runtime import cast_kernel, store
+
+    _set(cast_kernel, "cast", _host_call(cast_kernel.cast, lambda a, k: [a[0]], lambda a, k: [a[1]],
+                                         "cast_kernel.cast"))
+    # AdamW reads the gradients (the d2h stream wrote them) and writes the masters (the h2d stream reads them)
+    _set(store, "adamw_step", _host_call(store.adamw_step, lambda a, k: list(a[2]),
+                                         lambda a, k: [*a[1], *(k.get("copies") or [])], "adamw_step"))
 
 
 class _NullContext:

@@ -66,7 +66,7 @@ def caller() -> str:
     f = sys._getframe(1)
     while f is not None:
         name = f.f_code.co_filename
-        if "/torch/" not in name and "fake_cuda" not in name and "/contextlib" not in name:
+        if "/torch/" not in name and "/megatrain/fake_cuda/" not in name and "/contextlib" not in name:
             return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{f.f_lineno} {f.f_code.co_name}"
         f = f.f_back
     return "?"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 CUDA = torch.device("cuda", 0)
 _MISMATCH = ("Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
@@ -110,8 +110,14 @@ def _is_cuda_device(device) -> bool:
 
 
 def _tensors(args, kwargs) -> list[torch.Tensor]:
-    flat, _ = tree_flatten((args, kwargs))
-    return [t for t in flat if isinstance(t, torch.Tensor)]
+    """The tensors among a call's arguments (torch functions take them directly or in one list)."""
+    out = []
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(x for x in a if isinstance(x, torch.Tensor))
+    return out
 
 
 def _in_backward() -> bool:
@@ -426,11 +432,14 @@ def _storage_ptr(t: torch.Tensor) -> int:
 def _metadata(func, out, inputs) -> bool:
     """Whether a call reads no data: an attribute that is not a tensor, or a view of an input (no kernel)."""
     name = getattr(func, "__name__", "")
-    if name == "__get__" and not isinstance(out, torch.Tensor):
-        return True
+    if (name == "__get__" or name.startswith("is_") and name != "is_nonzero") and not isinstance(out, torch.Tensor):
+        return True  # an attribute or a layout question (is_contiguous): no kernel reads the data
     if isinstance(out, torch.Tensor) and not (name.endswith("_") and not name.endswith("__")):
         return out.numel() == 0 or _storage_ptr(out) in {_storage_ptr(t) for t in inputs}
     return False
+
+
+_ALLOCATIONS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
 
 def _wrap(out, inputs, func):
@@ -454,6 +463,8 @@ def _wrap(out, inputs, func):
         return tree_map(lambda x: as_device(x) if isinstance(x, torch.Tensor) and x.device.type == "cpu" else x,
                         out)
     out = tree_map(wrap, out)
+    if name in _ALLOCATIONS:  # memory, no kernel: nothing to order yet (the allocating stream is recorded)
+        return out
     if inplace and inputs and not written:
         written.append(inputs[0])
     reads = [t for t in inputs if not any(t is w for w in written)]

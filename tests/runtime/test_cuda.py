@@ -8,6 +8,7 @@ import pytest
 import torch
 from runtime_schedules import make_batches, plans_by_shape, streamed_train
 
+from megatrain import fake_cuda
 from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec
 from megatrain.runtime.optim import param_groups
@@ -67,7 +68,7 @@ def test_repeated_cuda_runs_agree():
     batches = make_batches(TINY, train, steps=2)
     for p in plans_by_shape(TINY, train, budgets_mib=(4, 8, 64), target="cuda").values():
         first, losses, _ = streamed_train(p, batches, kind="cuda")
-        for _ in range(4):
+        for _ in range(1 if fake_cuda.installed() else 4):  # the fake's CPU kernels are deterministic
             again, again_losses, _ = streamed_train(p, batches, kind="cuda")
             assert again_losses == pytest.approx(losses, rel=1e-6)
             for name, t in first.named_master().items():
@@ -174,6 +175,7 @@ def test_staged_bf16_loads_and_converting_stores_on_cuda(monkeypatch):
             dev.synchronize()
             assert torch.equal(slot.cpu(), store.units[u.name].master.to(torch.bfloat16)), u.name
         src = torch.randn(50_001, device="cuda")
+        torch.cuda.synchronize()  # made on the default stream, which the d2h stream does not wait on
         dst = torch.empty(50_001, dtype=torch.bfloat16, pin_memory=True)
         dev.submit("d2h", lambda: dev.copy(dst, src), "store")
         dev.synchronize()
@@ -217,7 +219,10 @@ def test_cuda_stream_workers_run_with_the_cpu_budget():
 def test_streamed_equals_eager_under_random_gpu_side_delays(seed):
     """torch.cuda._sleep before each GPU stream op (CudaDevice gpu_delays) runs the streams out of step on
     the GPU itself, where a missing wait shows as a wrong value; deterministic algorithms make the undelayed
-    run the exact baseline."""
+    run the exact baseline. The fake CUDA backend runs work when issued (it checks the waits instead), so
+    one seed covers its path."""
+    if seed and fake_cuda.installed():
+        pytest.skip("the fake CUDA backend reorders nothing on a GPU-side delay: seed 0 covers the path")
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="fp32", lr=2e-3, warmup_steps=1,
@@ -268,8 +273,11 @@ def test_moe_streams_on_cuda_like_eager():
         p = next(iter(plans_by_shape(config, train, budgets_mib=(64,), target="cuda").values()))
         store, losses, _ = streamed_train(p, batches, kind="cuda")
         assert losses == pytest.approx(eager_losses, rel=1e-4), name
-        for n, t in want.items():  # a routing decision may flip on round-off: a looser bound than dense
-            torch.testing.assert_close(store.named_master()[n], t, rtol=1e-4, atol=1e-5, msg=f"{name} {n}")
+        # a routing decision may flip on round-off, and AdamW turns a round-off difference of a near-zero
+        # gradient into one of the update (torch's fused AdamW here, the host store's there): a bound of a
+        # fraction of one update (lr 2e-3); the fake CUDA backend measured up to 1.3e-5
+        for n, t in want.items():
+            torch.testing.assert_close(store.named_master()[n], t, rtol=1e-4, atol=5e-5, msg=f"{name} {n}")
 
 
 def test_trainer_checkpoint_and_resume_on_cuda(tmp_path):
@@ -296,14 +304,17 @@ def test_trainer_checkpoint_and_resume_on_cuda(tmp_path):
 
 def test_copies_overlap_compute_on_a_truncated_7b():
     """Two blocks of llama2-7b in bf16 under a budget that streams them: some h2d copy runs while compute
-    does (CUDA event times), which is the point of the streams."""
+    does (CUDA event times), which is the point of the streams. On the fake CUDA backend (CPU memory holds
+    the device's tensors too) the blocks are a quarter as wide, and the budget scales with them."""
     from megatrain.runtime.trainer import Trainer
 
-    config = ModelConfig(**{**preset("llama2-7b").model_dump(), "n_layers": 2, "name": "llama2-7b-2L"})
+    narrow = {"d_model": 1024, "ffn_dim": 2752, "vocab_size": 8000} if fake_cuda.installed() else {}
+    config = ModelConfig(**{**preset("llama2-7b").model_dump(), "n_layers": 2, "name": "llama2-7b-2L", **narrow})
     train = TrainSpec(micro_batch=1, seq_len=512, grad_accum=2, dtype="bf16", lr=1e-4, total_steps=10)
     g = torch.Generator().manual_seed(0)
     batch = [(torch.randint(0, config.vocab_size, (1, 512), generator=g),) * 2 for _ in range(2)]
-    with Trainer(config, train, 6 * 2**30, device="cuda") as t:
+    budget = 2**30 + 5 * 2**30 // 16 if narrow else 6 * 2**30  # the profile reserves 1 GiB either way
+    with Trainer(config, train, budget, device="cuda") as t:
         assert t.plan.n_slots < len(t.plan.ir.units)  # it streams
         t.train_step(batch)
         t.engine.start_timeline()

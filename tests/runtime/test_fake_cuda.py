@@ -135,3 +135,26 @@ def test_a_streamed_step_synchronizes_only_where_its_program_says(config):
         assert state.registered_bytes - before == pinned_region_bytes(pinned) - PAGE > 0
         store.close()
         assert state.registered_bytes == before
+
+
+def test_the_host_optimizer_and_the_cast_are_checked_too():
+    """megatrain's C kernels touch host memory through pointers; the fake checks them at their entry: AdamW on
+    gradients a d2h copy may still be writing, a cast into a staging buffer an h2d copy may still read."""
+    from megatrain.runtime import cast_kernel
+    from megatrain.runtime import store as store_module
+
+    src = torch.ones(64, device="cuda")
+    d2h = torch.cuda.Stream()  # the entry points are wrapped once the runtime makes a stream
+    d2h.wait_stream(torch.cuda.current_stream())
+    grad = torch.empty(64, pin_memory=True)
+    with torch.cuda.stream(d2h):
+        grad.copy_(src, non_blocking=True)
+        landed = torch.cuda.Event()
+        landed.record()
+    with pytest.raises(fake_cuda.ProtocolError, match="adamw_step"):
+        store_module.adamw_step("exact", [torch.zeros(64)], [grad], [], [], None, 1e-3)
+    with pytest.raises(fake_cuda.ProtocolError, match="cast_kernel.cast"):
+        cast_kernel.cast(torch.zeros(64), grad)
+    landed.synchronize()
+    cast_kernel.cast(torch.zeros(64), grad)
+    torch.cuda.current_stream().wait_stream(d2h)
