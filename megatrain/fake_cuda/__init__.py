@@ -55,8 +55,10 @@ def install_from_env() -> None:
         install()
 
 
-def install(total_memory: int = 80 * 2**30) -> State:
-    """Install the backend in this process (idempotent); `total_memory` is the fake GPU's size."""
+def install(total_memory: int = 80 * 2**30, devices: int | None = None) -> State:
+    """Install the backend in this process (idempotent); `total_memory` is each fake GPU's size, `devices`
+    how many there are (default MEGATRAIN_FAKE_CUDA_DEVICES, else 2: enough for two torchrun ranks, whose
+    NCCL process groups run over gloo)."""
     global _state
     import torch
 
@@ -65,6 +67,7 @@ def install(total_memory: int = 80 * 2**30) -> State:
     if torch.cuda.is_available() and not _saved:
         raise RuntimeError("a real GPU is visible: the fake CUDA backend is for CPU-only machines")
     _state = State(total_memory)
+    _state.devices = devices or int(os.environ.get("MEGATRAIN_FAKE_CUDA_DEVICES", "2"))
     from .tensors import FakeCudaMode
 
     mode = FakeCudaMode()
@@ -173,9 +176,16 @@ def _patch(torch, mode) -> None:
         return device is not None and (isinstance(device, int) or torch.device(device).type == "cuda")
 
     cuda_gen = torch.Generator().manual_seed(0)
+    from . import tensors
+
+    def set_device(device):
+        index = device if isinstance(device, int) else torch.device(device).index or 0
+        if not 0 <= index < st.devices:
+            raise RuntimeError(f"CUDA error: invalid device ordinal {index} (the fake has {st.devices})")
+        tensors._current[0] = index
     for name, value in {
-        "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
-        "set_device": lambda device: None, "is_initialized": lambda: True, "init": lambda: None,
+        "is_available": lambda: True, "device_count": lambda: st.devices, "current_device": lambda: tensors._current[0],
+        "set_device": set_device, "is_initialized": lambda: True, "init": lambda: None,
         "_lazy_init": lambda: None, "get_device_name": lambda device=None: DEVICE_NAME,
         "get_device_properties": lambda device=None: _props(st.total_memory),
         "get_device_capability": lambda device=None: (9, 0), "is_bf16_supported": lambda *a, **k: True,
@@ -207,7 +217,30 @@ def _patch(torch, mode) -> None:
 
     has_torch_function = autograd.has_torch_function
     _set(autograd, "has_torch_function", lambda args: not bypassing() and has_torch_function(args))
+    _patch_distributed(torch)
     _set(torch.__future__, "_overwrite_module_params_on_conversion", True)
+
+
+def _patch_distributed(torch) -> None:
+    """NCCL process groups run over gloo (the tensors are CPU memory underneath): the Communicator's CUDA
+    wiring (set_device, device_id, its "comm" group) runs unchanged."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return
+
+    def gloo(backend):
+        return "gloo" if isinstance(backend, str) and backend.lower() == "nccl" else backend
+
+    init, new_group = dist.init_process_group, dist.new_group
+
+    def init_process_group(backend=None, *args, device_id=None, **kwargs):
+        return init(gloo(backend), *args, **kwargs)
+
+    def new_group_(*args, backend=None, **kwargs):
+        return new_group(*args, backend=gloo(backend), **kwargs)
+    _set(dist, "init_process_group", init_process_group)
+    _set(dist, "new_group", new_group_)
 
 
 def _host_call(fn, reads, writes, label):

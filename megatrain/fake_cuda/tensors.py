@@ -17,6 +17,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 CUDA = torch.device("cuda", 0)
+_current = [0]  # the process's current device (torch.cuda.set_device): a torchrun rank's is its local rank
+
+
+def current_device() -> torch.device:
+    return torch.device("cuda", _current[0])
 _MISMATCH = ("Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! "
              "(fake CUDA: {what})")
 
@@ -34,7 +39,7 @@ class FakeCudaTensor(torch.Tensor):
 
     @property
     def device(self):
-        return CUDA
+        return current_device()
 
     @property
     def is_cuda(self):
@@ -54,7 +59,7 @@ class FakeCudaTensor(torch.Tensor):
         torch.Tensor.grad.__set__(self, value)
 
     def __repr__(self, *, tensor_contents=None):
-        return f"FakeCudaTensor({torch.Tensor.__repr__(self.as_subclass(torch.Tensor))}, device='cuda:0')"
+        return f"FakeCudaTensor({torch.Tensor.__repr__(self.as_subclass(torch.Tensor))}, device='{self.device}')"
 
 
 def on_device(t: torch.Tensor) -> bool:
@@ -303,7 +308,7 @@ def _handle_record_stream(func, args, kwargs):
 
 
 def _handle_get_device(func, args, kwargs):
-    return 0 if isinstance(args[0], FakeCudaTensor) else -1
+    return _current[0] if on_device(args[0]) else -1
 
 
 _tls = __import__("threading").local()
