@@ -158,3 +158,42 @@ def test_the_host_optimizer_and_the_cast_are_checked_too():
     landed.synchronize()
     cast_kernel.cast(torch.zeros(64), grad)
     torch.cuda.current_stream().wait_stream(d2h)
+
+
+def test_cuda_only_refusals_and_auto_choices():
+    """The CUDA path's own errors and `auto` choices, which only a machine that sees a GPU reaches."""
+    import importlib.util
+
+    from megatrain.planner.hardware import hardware_for_device
+    from megatrain.runtime import compiled
+    from megatrain.runtime.device import CudaDevice, allocator_fraction, allocator_settings, make_device
+
+    with pytest.raises(ValueError, match="out of range"):
+        CudaDevice(index=torch.cuda.device_count())
+    with pytest.raises(ValueError, match="gpu_delays"):
+        CudaDevice(gpu_delays=(5, 1))
+    with pytest.raises(ValueError, match="must be > 0 bytes"):
+        allocator_fraction(0, 2**30)
+    with pytest.raises(ValueError, match="lower the GPU budget"):
+        allocator_fraction(2**31, 2**30)
+    assert allocator_settings({}) == "expandable_segments:True"
+    assert allocator_settings({"PYTORCH_CUDA_ALLOC_CONF": "x"}) is None
+    with make_device("auto") as dev:
+        assert dev.kind == "cuda"
+    assert hardware_for_device("auto").name == "h100-sxm"  # the fake says it is an H100
+    if importlib.util.find_spec("triton") is None:
+        with pytest.raises(ValueError, match="needs Triton"):
+            compiled.check_toolchain("cuda")
+
+
+def test_megatrain_train_on_auto_picks_the_gpu(tmp_path):
+    """`megatrain train --device auto` on a machine that sees a GPU: the CLI's whole CUDA path, one step."""
+    import json
+
+    from megatrain.cli import main
+
+    metrics = tmp_path / "m.jsonl"
+    assert main(["train", "--model", "tiny", "--device", "auto", "--gpu-mem", "2GiB", "--seq-len", "32",
+                 "--micro-batch", "1", "--steps", "1", "--metrics", str(metrics)]) == 0
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert any("loss" in r for r in records)
