@@ -6,7 +6,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 
-.PHONY: demo hf test test-slow test-cuda gpu-check wheelhouse bench lint clean
+.PHONY: demo hf test test-slow test-cuda test-cuda-fake gpu-check gpu-bundle gpu-rehearse wheelhouse bench lint \
+	clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,34 +37,40 @@ demo: $(VENV)/.installed
 # Hugging Face model folders and tokenizers (transformers, tokenizers): the README's fine-tuning section.
 hf: $(VENV)/.installed-hf
 
+# The default suite, then every test marked `cuda` on the fake CUDA backend (megatrain/fake_cuda/).
 test: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest
+	$(MAKE) --no-print-directory test-cuda-fake
+
+# The CUDA code path on this CPU: tensors on "cuda" are CPU tensors that say so, torch.cuda's streams, events and
+# memory are stand-ins that check the stream protocol (megatrain/fake_cuda/__init__.py).
+test-cuda-fake: $(VENV)/.installed-dev
+	MEGATRAIN_FAKE_CUDA=1 $(BIN)/python -m pytest -m cuda
 
 test-slow: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest -m slow
 
-# On a GPU machine, offline: the tree linked in as the package, the image's torch (benchmarks/gpu/run.sh);
-# fails, not skips, when no GPU is visible. `make gpu-check` adds the benchmark (results under OUT).
+# On a GPU machine, offline, from the tree and the carried bundle (benchmarks/gpu/run.sh, docs/GPU.md); fails,
+# not skips, when no GPU is visible; without benchmarks/gpu/bundle/ it stops at once and says so. `make gpu-check`
+# is the whole device run (results under OUT).
 test-cuda:
 	PYTHON=$(PYTHON) bash benchmarks/gpu/run.sh --tests-only
 
 gpu-check:
 	PYTHON=$(PYTHON) bash benchmarks/gpu/run.sh
 
-# The pure-Python dependencies as wheels, for a GPU image that lacks them (run where there is a network).
-# What benchmarks/gpu/install_offline.py may need on a GPU image that has torch and no network: the
-# runtime's and the CUDA tests' dependencies with theirs, for CPython 3.11-3.13 (what the script needs) on x86-64 Linux, and DeepSpeed
-# (a pure wheel built here without its ops; its CPU Adam would then JIT-compile, which peers.py does not wait for)
-# with its dependencies. About 20 MiB; run's `carry` takes the folder to the device.
-WHEELHOUSE_DEPS = networkx jinja2 rich pytest pydantic safetensors hjson py-cpuinfo tqdm packaging einops msgpack \
-	psutil nvidia-ml-py ninja
-wheelhouse: $(VENV)/.installed
-	for v in 3.11 3.12 3.13; do \
-		$(PIP) download -q --only-binary=:all: --python-version $$v --implementation cp \
-			--platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-			-d benchmarks/gpu/wheelhouse $(WHEELHOUSE_DEPS) || exit 1; \
-	done
-	DS_BUILD_OPS=0 $(PIP) wheel -q --no-deps --no-build-isolation -w benchmarks/gpu/wheelhouse deepspeed
+# The wheels the device image lacks (pydantic and its dependencies, hjson, nvidia-ml-py, DeepSpeed built here as
+# a DS_BUILD_OPS=0 wheel) for its Python 3.12, and for this Python what the CPU rehearsal's venv of torch and
+# numpy lacks besides: benchmarks/gpu/bundle/ (git-ignored, about 11 MiB, checked under 30 MiB), which the
+# device call carries. Run where a registry is reachable. `wheelhouse` is its former name.
+gpu-bundle: $(VENV)/.installed
+	$(BIN)/python benchmarks/gpu/bundle.py
+
+wheelhouse: gpu-bundle
+
+# The device run rehearsed on this CPU machine: every stage under the fake CUDA backend at tiny sizes.
+gpu-rehearse: gpu-bundle
+	bash benchmarks/gpu/run.sh --rehearse
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m pytest benchmarks -m "not cuda" --benchmark-only -o addopts="" -o python_files='bench_*.py' -s

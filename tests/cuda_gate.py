@@ -9,6 +9,8 @@ REQUIRE_CUDA_ENV = "MEGATRAIN_REQUIRE_CUDA"
 def cuda_run_without_a_gpu(markexpr: str, env: dict) -> str | None:
     """Why a run that asked for the CUDA tests must fail here (None: it may go on): `-m cuda` or
     MEGATRAIN_REQUIRE_CUDA=1 on a machine where torch sees no GPU would otherwise pass with all of them skipped."""
+    import megatrain  # noqa: F401  (MEGATRAIN_FAKE_CUDA=1 installs the fake CUDA backend on import)
+
     asked = markexpr.strip() == "cuda" or env.get(REQUIRE_CUDA_ENV, "") == "1"
     if not asked or torch.cuda.is_available():
         return None

@@ -1,13 +1,14 @@
 """Install megatrain from this tree with no network (benchmarks/gpu/run.sh's first stage).
 
-Usage: python benchmarks/gpu/install_offline.py --site DIR [--tests]
+Usage: python benchmarks/gpu/install_offline.py --site DIR [--tests] [--peers]
 The project is laid into DIR as the package pyproject.toml describes (its `package-dir` map: megatrain/ with
 ir/, models/, planner/, ... as its subpackages), by symbolic links to the tree, so nothing is built and no pip
 is needed; put DIR on PYTHONPATH and run Python with -P (the tree's own megatrain/ folder, in the working
 directory, holds only the top package). Dependencies come from the interpreter (an image with torch has most)
-or, for those it lacks, from benchmarks/gpu/wheelhouse/ (`make wheelhouse` fills it on a machine with a
-network) with `pip install --no-index --no-deps --target DIR`. Exit status 0 when everything imports, 3 with
-one line per missing package otherwise.
+or, for those it lacks, from benchmarks/gpu/bundle/ (`make gpu-bundle` fills it where a registry is reachable;
+the device call must carry it: it is git-ignored, so the copy of the tree leaves it out) with `pip install
+--no-index --no-deps --target DIR`. Exit status 0 when everything imports, 3 with one line per missing
+package otherwise.
 """
 
 from __future__ import annotations
@@ -19,14 +20,15 @@ import os
 import subprocess
 import sys
 import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-WHEELHOUSE = ROOT / "benchmarks" / "gpu" / "wheelhouse"
+BUNDLE = ROOT / "benchmarks" / "gpu" / "bundle"
 # import name of each distribution the runtime and the CUDA tests need
 RUNTIME = {"torch": "torch", "numpy": "numpy", "pydantic": "pydantic", "networkx": "networkx", "jinja2": "jinja2",
            "rich": "rich", "safetensors": "safetensors"}
-TESTS = {"pytest": "pytest"}
+TESTS = {"pytest": "pytest", "pytest-timeout": "pytest_timeout"}  # run.sh gives each CUDA test a time limit
 PEERS = {"deepspeed": "deepspeed"}  # the benchmark's peer; FSDP2 is in torch
 
 
@@ -39,27 +41,44 @@ def lay_out(site: Path, root: Path = ROOT) -> list[str]:
             continue
         src = root / tool["package-dir"][name]
         dst = site.joinpath(*name.split("."))
-        if name == "megatrain":  # the top package: its files, its subpackages linked beside them
+        if name == "megatrain":  # the top package: its files and own folders (fake_cuda/), the mapped ones beside
             dst.mkdir(parents=True, exist_ok=True)
             for f in src.iterdir():
-                if f.suffix == ".py" and not (dst / f.name).exists():
-                    (dst / f.name).symlink_to(f)
+                own = f.is_dir() and (f / "__init__.py").exists()
+                if (f.suffix == ".py" or own) and not (dst / f.name).exists():
+                    (dst / f.name).symlink_to(f, target_is_directory=own)
         elif not dst.exists():
             dst.symlink_to(src, target_is_directory=True)
     return tool["packages"]
 
 
-def _pip_install(site: Path, peers: bool) -> None:
-    """Every distribution of the wheelhouse this interpreter lacks (DeepSpeed only with `peers`), into `site`,
+def _pip_install(site: Path, peers: bool, bundle: Path | None = None) -> None:
+    """Every distribution of the bundle this interpreter lacks (DeepSpeed only with `peers`), into `site`,
     each on its own (--no-deps: pip --target would otherwise install again what the interpreter has, torch and
-    numpy above all, which the wheelhouse does not carry); pip picks each one's file for this Python."""
-    dists = sorted({_dist(w) for w in WHEELHOUSE.glob("*.whl")} - {"torch"})
+    numpy above all, which the bundle does not carry); pip picks each one's file for this Python."""
+    bundle = bundle or BUNDLE
+    dists = sorted({_dist(w) for w in bundle.glob("*.whl")} - {"torch"})
     dists = [d for d in dists if _version(d) is None and (peers or d != "deepspeed")]
-    if dists:
+    if dists and importlib.util.find_spec("pip") is None:  # an image without pip: the wheels unzipped
+        _unzip(site, bundle, dists)
+    elif dists:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links",
-                        str(WHEELHOUSE), "--target", str(site), *dists], check=False)
+                        str(bundle), "--target", str(site), *dists], check=False)
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
+
+
+def _unzip(site: Path, bundle: Path, dists: list[str]) -> None:
+    """What pip --target does for these wheels, less their scripts: each unzipped into `site`, the file for this
+    Python picked by its tag (cpXY, or one for any Python 3)."""
+    tag = f"-cp{sys.version_info.major}{sys.version_info.minor}-"
+    site.mkdir(parents=True, exist_ok=True)
+    for dist in dists:
+        fit = [w for w in sorted(bundle.glob("*.whl")) if _dist(w) == dist
+               and (tag in w.name or "-py3-none-" in w.name or "-abi3-" in w.name)]
+        if fit:
+            with zipfile.ZipFile(fit[-1]) as z:
+                z.extractall(site)
 
 
 def _dist(wheel: Path) -> str:
@@ -80,31 +99,39 @@ def missing(names: dict[str, str]) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--site", required=True, type=Path)
+    ap.add_argument("--bundle", type=Path, default=BUNDLE, help="the folder of wheels (default: %(default)s)")
+    ap.add_argument("--gpu-file", type=Path, default=None, help="where to write the GPU's name (empty: none)")
     ap.add_argument("--tests", action="store_true", help="also the test dependencies (pytest)")
-    ap.add_argument("--peers", action="store_true", help="also DeepSpeed, the benchmark's peer, where the wheelhouse "
-                    "has it (optional: nothing fails without it)")
+    ap.add_argument("--peers", action="store_true", help="also DeepSpeed, the benchmark's peer, where the bundle "
+                    "has it (optional: its row says when it is missing)")
     args = ap.parse_args(argv)
     need = {**RUNTIME, **(TESTS if args.tests else {})}
     lack = missing(need)
-    wheels = WHEELHOUSE.is_dir() and any(WHEELHOUSE.glob("*.whl"))
+    wheels = args.bundle.is_dir() and any(args.bundle.glob("*.whl"))
     if wheels and (lack or (args.peers and missing(PEERS))):  # DeepSpeed optional: its row says when it lacks
-        _pip_install(args.site, args.peers)
+        _pip_install(args.site, args.peers, args.bundle)
         lack = missing(need)
     if lack:
         for dist in lack:
-            print(f"install_offline: {dist} is not importable and not in {WHEELHOUSE} "
-                  "(run `make wheelhouse` on a machine with a network)", file=sys.stderr)
+            where = f"not in {args.bundle}" if wheels else f"and {args.bundle} was not carried"
+            print(f"install_offline: {dist} is not importable {where} (`make gpu-bundle` where a registry is "
+                  'reachable, then the device call with carry ["benchmarks/gpu/bundle"])', file=sys.stderr)
         return 3
     packages = lay_out(args.site)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(args.site), os.environ.get("PYTHONPATH", "")])}
-    check = subprocess.run([sys.executable, "-P", "-c", "import megatrain.runtime.trainer as t, megatrain.cli; "
-                            "print(t.__file__)"], env=env, capture_output=True, text=True)
-    if check.returncode == 0 and not check.stdout.strip().startswith(str(args.site)):
-        check.returncode, check.stderr = 1, f"megatrain came from {check.stdout.strip()}, not {args.site}"
+    # the import check also names the GPU torch sees (run.sh's next question), so no other process starts torch
+    check = subprocess.run([sys.executable, "-P", "-c", "import megatrain.runtime.trainer as t, megatrain.cli, torch; "
+                            "print(t.__file__); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() "
+                            "else '')"], env=env, capture_output=True, text=True)
+    where, _, gpu = check.stdout.strip().partition("\n")
+    if check.returncode == 0 and not where.startswith(str(args.site)):
+        check.returncode, check.stderr = 1, f"megatrain came from {where}, not {args.site}"
     if check.returncode:
         print(f"install_offline: the laid-out package does not import:\n{check.stderr}", file=sys.stderr)
         return 3
-    print(f"install_offline: {len(packages)} packages linked into {args.site} ({check.stdout.strip()})")
+    if args.gpu_file:
+        args.gpu_file.write_text(gpu.strip() + "\n")
+    print(f"install_offline: {len(packages)} packages linked into {args.site} ({where})")
     return 0
 
 
