@@ -42,7 +42,11 @@ OpName = Literal[
     "free",
 ]
 BufferKind = Literal["param_slot", "grad_slot", "resident", "batch", "loss", "carry", "saved", "grad_carry",
-                     "attention"]
+                     "attention", "cast_stage"]
+# Where a bf16 program's load_params gets the compute-dtype weights (planner/cast.py decides, runtime/cast.py runs):
+# cast on the host into pinned staging, cast on the device from fp32 that crossed the link (the `cast` buffer), or
+# a persistent bf16 copy the optimizer writes; fp32 programs cast nothing.
+CastPlace = Literal["none", "host", "gpu", "copy"]
 
 # The stream each op may run on; record/wait/free name their stream explicitly.
 OP_STREAMS: dict[str, tuple[str, ...]] = {
@@ -166,6 +170,8 @@ class Program(IRModel):
                             "runs n_micro_batches of the global step's world_size x n_micro_batches")
     buffers: tuple[Buffer, ...]
     instrs: tuple[Instr, ...]
+    cast: CastPlace | None = Field(None, description="where load_params' compute-dtype cast runs (planner/cast.py); "
+                                   "None: planned without the cast pass, so on the host for bf16 (none for fp32)")
 
     @model_validator(mode="after")
     def _names_known(self) -> Program:

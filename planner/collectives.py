@@ -38,7 +38,7 @@ from __future__ import annotations
 from megatrain.ir.base import dtype_bytes
 from megatrain.ir.model_ir import ModelIR
 
-from .costs import CAST_BYTES, CostModel
+from .costs import CostModel, load_seconds_per_element
 from .hardware import Hardware
 from .host_policy import HostPolicy
 from .schedule import Op
@@ -117,19 +117,19 @@ class WorldCostModel(CostModel):
     """CostModel of one rank of `world` on a padded IR: shard-sized loads, stores and optimizer steps, shared
     host bandwidth, and the collectives."""
 
-    def __init__(self, ir: ModelIR, hw: Hardware, policy: HostPolicy | str, clip: bool, world: World):
-        super().__init__(ir, hw, policy, clip)
+    def __init__(self, ir: ModelIR, hw: Hardware, policy: HostPolicy | str, clip: bool, world: World,
+                 cast: str | None = None):
+        super().__init__(ir, hw, policy, clip, cast)
         self.world = world
         R, whole = world.nproc, replicated_units(ir)
         db, share = dtype_bytes(ir.dtype), host_share(hw, world)
-        cast = 0.0 if ir.dtype == "float32" else CAST_BYTES / (hw.host_memory_bytes_per_s * share)
+        per = load_seconds_per_element(hw, ir.dtype, self.cast, share)
         rate = self.opt_rate * share
         frac = [1.0 if u.name in whole else 1.0 / R for u in ir.units]
-        self.load = [u.flat_numel * f * max(db / hw.h2d_bytes_per_s, cast) + hw.copy_latency_s
-                     for u, f in zip(ir.units, frac)]
+        self.load = [u.flat_numel * f * per + hw.copy_latency_s for u, f in zip(ir.units, frac)]
         self.store = [u.flat_numel * f * self.policy.grad_bytes / hw.d2h_bytes_per_s + hw.copy_latency_s
                       for u, f in zip(ir.units, frac)]
-        self.opt = [u.n_params * f * self.policy.traffic / rate for u, f in zip(ir.units, frac)]
+        self.opt = [u.n_params * f * self.policy.traffic / rate * self.copy_factor for u, f in zip(ir.units, frac)]
         self.gather = [collective_seconds(u.flat_numel * db, world, hw) for u in ir.units]
         self.reduce = [collective_seconds(u.flat_numel * 4, world, hw, 2 if u.name in whole else 1)
                        for u in ir.units]
@@ -143,10 +143,11 @@ class WorldCostModel(CostModel):
         return super().op_seconds(ins, sizes, warm)
 
 
-def cost_model(ir: ModelIR, hw: Hardware, policy: HostPolicy | str, clip: bool, world: World | None) -> CostModel:
+def cost_model(ir: ModelIR, hw: Hardware, policy: HostPolicy | str, clip: bool, world: World | None,
+               cast: str | None = None) -> CostModel:
     if world is None or world.nproc == 1:
-        return CostModel(ir, hw, policy, clip)
-    return WorldCostModel(ir, hw, policy, clip, world)
+        return CostModel(ir, hw, policy, clip, cast)
+    return WorldCostModel(ir, hw, policy, clip, world, cast)
 
 
 # -- the verifier's checks -------------------------------------------------------------------------------------------

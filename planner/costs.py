@@ -8,9 +8,12 @@ model both price ops here, so they agree on every figure. Try it:
 - backward: (flops_bwd + the recompute's FLOPs unless the unit kept its graph (flops_fwd less what a
   recompute leaves unevaluated, UnitIR.recompute_flops, and less the fused attention's when it replays it,
   models/replay.py), + flops_fwd again when it rebuilds its carry-in) / FLOP/s + 2 x nodes x overhead;
-- load_params / load_act: bytes / h2d bandwidth + copy latency. A bf16 unit's source is cast from its fp32
-  master into the pinned staging ring as it loads (host_policy.py), in chunks that overlap the link: its
-  load takes max(link, cast), the cast moving 6 B/param (read 4, write 2) at host memory bandwidth;
+- load_params / load_act: bytes / h2d bandwidth + copy latency. A bf16 unit's weights come from where the
+  `cast` pass put the compute-dtype cast (planner/cast.py, `load_seconds_per_element`): "host", cast from the
+  fp32 master into the pinned staging ring as it loads, in chunks that overlap the link: max(link 2 B, the
+  profile's host cast rate on the h2d worker's threads); "gpu", the fp32 master crosses (4 B) and the device
+  casts it: link + device cast; "copy", a plain DMA of the persistent bf16 copy (2 B), which the optimizer
+  step writes (its traffic + 2 B per parameter);
 - store_grads / offload_act: on d2h, gradients in the policy's host gradient dtype (bf16 ones are converted
   on the device, so half the bytes cross); checkpoints longer than one staging chunk cross in chunks through
   pinned staging (transfers.py), as load_act's do;
@@ -41,27 +44,53 @@ from __future__ import annotations
 from megatrain.ir.base import dtype_bytes
 from megatrain.ir.model_ir import ModelIR
 
-from .hardware import Hardware
+from .hardware import CAST_BYTES, Hardware
 from .host_policy import POLICIES, HostPolicy, resolve
 from .profile import UnitProfile, matches
 from .transfers import copy_seconds
 
 ADAMW_BYTES = {p.name: p.traffic for p in POLICIES.values()}  # host bytes per parameter of one optimizer step
-CAST_BYTES = 4 + 2  # per element staged for the link: read the fp32 master, write bf16
+COPY_BYTES = 2  # per parameter the "copy" cast's optimizer step writes besides the policy's traffic
+
+
+def default_cast(dtype: str) -> str:
+    """Where a program planned without the cast pass casts: on the host for bf16, nowhere for fp32."""
+    return "none" if dtype == "float32" else "host"
+
+
+def load_seconds_per_element(hw: Hardware, dtype: str, cast: str, host_share: float = 1.0) -> float:
+    """Seconds per element of a load_params with the compute-dtype cast at `cast` (planner/cast.py);
+    `host_share`: the fraction of the host's memory bandwidth this rank's cast may use (collectives.py)."""
+    db = dtype_bytes(dtype)
+    if cast == "none" or dtype == "float32":
+        return db / hw.h2d_bytes_per_s
+    if cast == "host":
+        rate = min(hw.host_cast_rate(), hw.host_memory_bytes_per_s * host_share / CAST_BYTES) \
+            if host_share < 1 else hw.host_cast_rate()
+        return max(db / hw.h2d_bytes_per_s, 1 / rate)
+    if cast == "gpu":
+        if hw.device_cast_elements_per_s is None:
+            raise ValueError(f"hardware {hw.name!r} has no device_cast_elements_per_s to price a GPU-side cast")
+        return 4 / hw.h2d_bytes_per_s + 1 / hw.device_cast_elements_per_s
+    if cast == "copy":
+        return db / hw.h2d_bytes_per_s
+    raise ValueError(f"unknown cast place {cast!r}; places: none, host, gpu, copy")
 
 
 class CostModel:
-    """Per-unit and per-op seconds for one (ModelIR, Hardware); `clip`: the optimizer steps with a clip factor."""
+    """Per-unit and per-op seconds for one (ModelIR, Hardware); `clip`: the optimizer steps with a clip factor;
+    `cast`: where the compute-dtype cast runs (planner/cast.py; None: default_cast)."""
 
-    def __init__(self, ir: ModelIR, hw: Hardware, policy: HostPolicy | str = "exact", clip: bool = False):
+    def __init__(self, ir: ModelIR, hw: Hardware, policy: HostPolicy | str = "exact", clip: bool = False,
+                 cast: str | None = None):
         self.ir, self.hw, self.policy = ir, hw, resolve(policy)
+        self.cast = cast or default_cast(ir.dtype)
         flops = hw.flops(ir.dtype)
-        db = dtype_bytes(ir.dtype)
         self.index = {u.name: u.index for u in ir.units}
         self.fwd = [u.flops_fwd / flops + u.graph_nodes * hw.op_overhead_s for u in ir.units]
         self.bwd = [u.flops_bwd / flops + 2 * u.graph_nodes * hw.op_overhead_s for u in ir.units]
-        cast = 0.0 if ir.dtype == "float32" else CAST_BYTES / hw.host_memory_bytes_per_s
-        self.load = [u.flat_numel * max(db / hw.h2d_bytes_per_s, cast) + hw.copy_latency_s for u in ir.units]
+        per = load_seconds_per_element(hw, ir.dtype, self.cast)
+        self.load = [u.flat_numel * per + hw.copy_latency_s for u in ir.units]
         gb = self.policy.grad_bytes
         self.store = [u.flat_numel * gb / hw.d2h_bytes_per_s + hw.copy_latency_s for u in ir.units]
         self.offload = [copy_seconds(u.carry_in_bytes, hw.d2h_bytes_per_s, hw) for u in ir.units]
@@ -74,7 +103,9 @@ class CostModel:
         rate = rates.get(f"{self.policy.name}+clip" if clip else self.policy.name) or rates.get(
             self.policy.name, hw.host_memory_bytes_per_s)
         self.opt_rate = rate
-        self.opt = [u.n_params * per_param / rate for u in ir.units]
+        # "copy": the step also writes the bf16 copy, at the step's own rate (in its pass: cast_kernel.c)
+        self.copy_factor = (per_param + COPY_BYTES) / per_param if self.cast == "copy" else 1.0
+        self.opt = [u.n_params * per_param / rate * self.copy_factor for u in ir.units]
         self.clip = len(ir.units) * 1e-6
         self.fwd_graph, self.rebuild = list(self.fwd), list(self.fwd)
         self.recompute = [u.recompute_flops / flops + u.graph_nodes * hw.op_overhead_s for u in ir.units]
@@ -114,10 +145,14 @@ class CostModel:
                 self.warm_fwd[i] = min(1.0, t.forward_warm_s / t.forward_s)
             if t.recompute_backward_warm_s is not None and t.recompute_backward_s > 0:
                 self.warm_bwd[i] = min(1.0, t.recompute_backward_warm_s / t.recompute_backward_s)
-            self.load[i], self.store[i], self.offload[i], self.reload[i] = t.load_s, t.store_s, t.offload_s, t.reload_s
+            self.store[i], self.offload[i], self.reload[i] = t.store_s, t.offload_s, t.reload_s
+            if self.cast in ("host", "none"):
+                self.load[i] = t.load_s
+            elif self.cast in t.load_cast_s:  # measured through the place's own load path
+                self.load[i] = t.load_cast_s[self.cast]
             opt = (t.optimizer_clip_s if clip else t.optimizer_s).get(self.policy.name)
             if opt is not None:  # a tied borrower owns fewer parameters than the unit measured
-                self.opt[i] = opt * (u.n_params / t.n_params if t.n_params else 1.0)
+                self.opt[i] = opt * (u.n_params / t.n_params if t.n_params else 1.0) * self.copy_factor
 
     def backward(self, i: int, keep: bool, rebuild: bool = False, replay: bool = False) -> float:
         """Backward of unit i for one micro-batch, with the recompute of its forward unless `keep` (less its

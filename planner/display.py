@@ -14,6 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from . import creation
 from .bytesize import format_bytes
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ def summary_lines(p: Plan) -> list[str]:
         f"({p.state_bytes_per_param:.3g} B/param + {format_bytes(ckpt)} checkpoints"
         + (f" + {format_bytes(staging)} pinned checkpoint staging)" if staging else ")"),
         f"      host policy {p.host_policy_reason or p.host_policy}",
+        f"      {creation.describe(hw, p.host_bytes, params)}",
+        f"cast  {p.cast}: {p.cast_reason}" if p.cast_reason else f"cast  {p.cast}",
         f"step  {p.step_time_s:.4g} s, {p.tokens_per_s:,.0f} tokens/s, {p.model_tflops:.4g} model TFLOP/s, "
         f"MFU {p.mfu:.1%}; bottleneck {p.bottleneck} ({p.bottleneck_share:.0%} of the critical path)",
         *_world_lines(p),

@@ -12,10 +12,18 @@ them with measurements, which is what FlexGen found necessary):
   64 GB/s is what pinned cudaMemcpyAsync typically reaches);
 - host memory for AdamW: 50% of one socket's nominal DRAM bandwidth (a streaming kernel over 7 arrays on
   the socket the optimizer threads are bound to).
+The compute-dtype cast (planner/cast.py) has its own rates: the host's fp32 -> bf16 cast per thread count
+(`host_cast_elements_per_s`, on the h2d worker's `cast_threads`) and the GPU's (`device_cast_elements_per_s`).
+GPU presets state a conservative figure for the first (HOST_CAST, below what was measured, see there) and
+DEVICE_CAST_EFFICIENCY of the HBM's nominal bandwidth over 6 B (read 4, write 2) for the second.
 For data parallelism (planner/world.py, collectives.py) presets also carry the per-GPU bandwidth of collectives
 inside a node (NVLink, or PCIe where there is none) and between nodes (each GPU's own NIC), at 80% of nominal
 per direction (COLLECTIVE_EFFICIENCY: what NCCL's ring bus bandwidth reaches of the link), and the node's CPU
 sockets (the ranks of a node share its host memory bandwidth by socket).
+Store creation (runtime/host_init.py, priced by planner/creation.py as the time to the first step) has two
+rates: the first touch of the store's fresh memory (`host_touch_bytes_per_s`) and the drawing of the initial
+weights (`host_init_params_per_s`). GPU presets assume SERVER_TOUCH's figures; a profile that names
+neither (the `cpu` preset, one written before they existed) gets the 2-core CI VM's figures.
 """
 
 from __future__ import annotations
@@ -33,10 +41,25 @@ from .bytesize import format_bytes
 from .profile import UnitProfile
 
 GiB = 2**30
+# Store creation, where a profile does not say: round figures at the low end of what the 2-core CI VM reached
+# creating an 8.7 GiB store (docs/RESULTS.md "Store creation (time to first step)": its first touch is a fault in
+# the hypervisor too, 0.2-0.5 GB/s), so a profile without them predicts too long rather than too short.
+DEFAULT_TOUCH_BYTES_PER_S = 4e8
+DEFAULT_INIT_PARAMS_PER_S = 1.5e8
+# GPU servers: assumed, not measured: 16 creation threads first touching at 2.5 GB/s each (the kernel zeroing
+# 2 MiB pages), and 16 threads drawing 250M normal values/s each (one core of the CI VM drew 290M/s)
+SERVER_TOUCH = {"host_touch_bytes_per_s": 40e9, "host_init_params_per_s": 4e9}
 MATMUL_EFFICIENCY = 0.75
 LINK_EFFICIENCY = 0.85
 HOST_BW_EFFICIENCY = 0.5
 COLLECTIVE_EFFICIENCY = 0.8
+DEVICE_CAST_EFFICIENCY = 0.5  # of nominal HBM bandwidth: a conversion kernel streams, far below any preset's link
+CAST_BYTES = 4 + 2  # per element cast: read the fp32, write the bf16
+# A GPU host's h2d worker casts on 2 threads (runtime/cpus.py). Per thread count, elements/s: the low end of what
+# torch's copy_ measured there (2-5 G/s on the h2d worker's two threads, the issue that added planner/cast.py)
+# and of the C cast (runtime/cast_kernel.c) at one thread on the 2-core EPYC VM (docs/RESULTS.md, "Compute-dtype
+# cast"), where both are bound by one core's memory bandwidth; `megatrain probe` measures a machine's own.
+HOST_CAST = {1: 2.0e9, 2: 3.5e9}
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
@@ -62,6 +85,13 @@ class Hardware(IRModel):
         default_factory=dict, description="per host policy (host_policy.py): the bytes/s its optimizer step "
         "achieved in `megatrain probe` (its traffic x parameters/s); a policy without one is priced at "
         "host_memory_bytes_per_s")
+    host_touch_bytes_per_s: float = Field(
+        DEFAULT_TOUCH_BYTES_PER_S, gt=0, description="bytes/s at which a new host store's memory is first "
+        "touched on its creation threads (runtime/host_init.py: page faults, zero-filled where zero is the "
+        "initial value; `megatrain probe`)")
+    host_init_params_per_s: float = Field(
+        DEFAULT_INIT_PARAMS_PER_S, gt=0, description="initial weights drawn per second, all threads together "
+        "(models.init_into: one generator per tensor, tensors in parallel; `megatrain probe`)")
     host_stream_bytes_per_s: float | None = Field(
         None, gt=0, description="measured host memory bandwidth of a streaming in-place update (bytes read + "
         "written per s; `megatrain probe`): the bound the host optimizer's throughput is compared with")
@@ -82,6 +112,15 @@ class Hardware(IRModel):
         None, gt=0, description="achievable per-GPU bandwidth between nodes, one direction (each GPU's own NIC); "
         "needed to plan --nnodes > 1")
     collective_latency_s: float = Field(2e-5, ge=0, description="fixed cost of one collective")
+    host_cast_elements_per_s: dict[int, float] = Field(
+        default_factory=dict, description="fp32 -> bf16 elements/s of the host cast into pinned memory, per thread "
+        "count (runtime/cast_kernel.py: the C loop where it runs, else torch's copy_; `megatrain probe`); {}: "
+        "priced at host_memory_bytes_per_s / 6 B, as before it was measured")
+    cast_threads: int = Field(1, ge=1, description="threads the h2d stream's worker casts on in a run "
+                              "(runtime/cpus.py): which of host_cast_elements_per_s a 'host' cast runs at")
+    device_cast_elements_per_s: float | None = Field(
+        None, gt=0, description="fp32 -> bf16 elements/s of a cast on the device (the 'gpu' placement of "
+        "planner/cast.py); None: not known, so the planner does not offer it")
     host_sockets: int = Field(1, ge=1, le=64, description="CPU sockets of a node: ranks on different sockets "
                               "step their host optimizers on separate DRAM (host_memory_bytes_per_s is one's)")
     source: str = Field("", description="where the figures come from")
@@ -101,13 +140,24 @@ class Hardware(IRModel):
                                  "megatrain probe")
         return {DTYPE_ALIASES.get(k, k): float(x) for k, x in v.items()}
 
-    @field_validator("host_optimizer_bytes_per_s")
+    @field_validator("host_optimizer_bytes_per_s", "host_cast_elements_per_s")
     @classmethod
-    def _positive_rates(cls, v: dict[str, float]) -> dict[str, float]:
+    def _positive_rates(cls, v: dict) -> dict:
         for k, x in v.items():
             if not x > 0:
-                raise ValueError(f"{k} must be a rate > 0 bytes/s, got {x}; measure it with megatrain probe")
+                raise ValueError(f"{k} must be a rate > 0 per second, got {x}; measure it with megatrain probe")
+            if isinstance(k, int) and k < 1:
+                raise ValueError(f"thread count {k} must be >= 1")
         return v
+
+    def host_cast_rate(self, threads: int | None = None) -> float:
+        """fp32 -> bf16 elements/s of the host cast on `threads` (default: cast_threads): the rate measured at
+        that count, else at the largest count measured below it, else host_memory_bytes_per_s / 6 B."""
+        threads = self.cast_threads if threads is None else threads
+        below = [k for k in self.host_cast_elements_per_s if k <= threads]
+        if below:
+            return self.host_cast_elements_per_s[max(below)]
+        return self.host_memory_bytes_per_s / CAST_BYTES
 
     def flops(self, dtype: str) -> float:
         """Achievable matmul FLOP/s in `dtype`."""
@@ -148,20 +198,25 @@ def _flops(x: float) -> str:
 
 
 def _nominal(name: str, *, gpu_gib: float, bf16_tflops: float, fp32_tflops: float, link_gbs: float,
-             host_gib: float, host_gbs: float, source: str, intra_gbs: float, nic_gbps: float, sockets: int = 1,
-             **extra) -> Hardware:
+             host_gib: float, host_gbs: float, source: str, intra_gbs: float, nic_gbps: float, hbm_tbs: float,
+             sockets: int = 1, **extra) -> Hardware:
     """A preset from nominal datasheet figures and the module's stated efficiency factors (`intra_gbs`: the
-    GPU's intra-node link per direction in GB/s; `nic_gbps`: its NIC in Gb/s)."""
+    GPU's intra-node link per direction in GB/s; `nic_gbps`: its NIC in Gb/s; `hbm_tbs`: its memory in TB/s)."""
     peak = {"bfloat16": bf16_tflops * 1e12, "float32": fp32_tflops * 1e12}
+    extra = {**SERVER_TOUCH, **extra}
     extra.update(intra_node_bytes_per_s=intra_gbs * 1e9 * COLLECTIVE_EFFICIENCY,
-                 inter_node_bytes_per_s=nic_gbps / 8 * 1e9 * COLLECTIVE_EFFICIENCY, host_sockets=sockets)
+                 inter_node_bytes_per_s=nic_gbps / 8 * 1e9 * COLLECTIVE_EFFICIENCY, host_sockets=sockets,
+                 host_cast_elements_per_s=HOST_CAST, cast_threads=2,
+                 device_cast_elements_per_s=hbm_tbs * 1e12 * DEVICE_CAST_EFFICIENCY / CAST_BYTES)
     return Hardware(
         name=name, gpu_memory_bytes=int(gpu_gib * GiB),
         matmul_flops={k: v * MATMUL_EFFICIENCY for k, v in peak.items()}, peak_flops=peak,
         h2d_bytes_per_s=link_gbs * 1e9 * LINK_EFFICIENCY, d2h_bytes_per_s=link_gbs * 1e9 * LINK_EFFICIENCY,
         host_memory_bytes=int(host_gib * GiB), host_memory_bytes_per_s=host_gbs * 1e9 * HOST_BW_EFFICIENCY,
         source=source + f"; achievable = {MATMUL_EFFICIENCY:.0%} matmul, {LINK_EFFICIENCY:.0%} link, "
-        f"{HOST_BW_EFFICIENCY:.0%} host DRAM, {COLLECTIVE_EFFICIENCY:.0%} collectives of nominal", **extra)
+        f"{HOST_BW_EFFICIENCY:.0%} host DRAM, {COLLECTIVE_EFFICIENCY:.0%} collectives of nominal; cast: host "
+        f"{HOST_CAST[2] / 1e9:g} G elements/s on the h2d worker's 2 threads (HOST_CAST), GPU {hbm_tbs:g} TB/s HBM x "
+        f"{DEVICE_CAST_EFFICIENCY:.0%} / 6 B", **extra)
 
 
 _PCIE5 = "PCIe Gen5 x16 64 GB/s per direction"
@@ -172,36 +227,36 @@ _NDR = "one ConnectX-7 400 Gb/s InfiniBand NDR per GPU"
 PRESETS = {
     "h100-sxm": lambda: _nominal(
         "h100-sxm", gpu_gib=80, bf16_tflops=989.4, fp32_tflops=67, link_gbs=64, host_gib=2048, host_gbs=307,
-        intra_gbs=450, nic_gbps=400, sockets=2,
+        intra_gbs=450, nic_gbps=400, sockets=2, hbm_tbs=3.35,
         source=f"NVIDIA H100 SXM5 datasheet: 989.4 TFLOPS dense BF16, 67 TFLOPS FP32, 80 GB HBM3, {_NVL4}; {_PCIE5}; "
         f"DGX H100: 2 TB, two sockets, {_NDR}; {_SPR}"),
     "h100-pcie": lambda: _nominal(
         "h100-pcie", gpu_gib=80, bf16_tflops=756.5, fp32_tflops=51, link_gbs=64, host_gib=1024, host_gbs=307,
-        intra_gbs=64, nic_gbps=400,
-        source=f"NVIDIA H100 PCIe datasheet: 756.5 TFLOPS dense BF16, 51 TFLOPS FP32, 80 GB HBM2e; {_PCIE5} (its NVLink "
+        intra_gbs=64, nic_gbps=400, hbm_tbs=2.0,
+        source=f"NVIDIA H100 PCIe datasheet: 756.5 TFLOPS dense BF16, 51 TFLOPS FP32, 80 GB HBM2e at 2.0 TB/s; {_PCIE5} (its NVLink "
         f"bridge pairs two GPUs only: collectives among more go over PCIe); 1 TB host and {_NDR} assumed; {_SPR}"),
     "h200": lambda: _nominal(
         "h200", gpu_gib=140, bf16_tflops=989.4, fp32_tflops=67, link_gbs=64, host_gib=2048, host_gbs=307,
-        intra_gbs=450, nic_gbps=400, sockets=2,
-        source=f"NVIDIA H200 SXM datasheet: 989.4 TFLOPS dense BF16, 67 TFLOPS FP32, 141 GB HBM3e "
+        intra_gbs=450, nic_gbps=400, sockets=2, hbm_tbs=4.8,
+        source=f"NVIDIA H200 SXM datasheet: 989.4 TFLOPS dense BF16, 67 TFLOPS FP32, 141 GB HBM3e at 4.8 TB/s "
         f"(140 GiB as nvidia-smi reports), {_NVL4}; {_PCIE5}; DGX H200: 2 TB, two sockets, {_NDR}; {_SPR}"),
     "gh200": lambda: _nominal(
         "gh200", gpu_gib=96, bf16_tflops=989.4, fp32_tflops=67, link_gbs=450, host_gib=480, host_gbs=512,
-        intra_gbs=450, nic_gbps=400,
-        source="NVIDIA GH200 Grace Hopper datasheet: H100 with 96 GB HBM3, 989.4 TFLOPS dense BF16; "
+        intra_gbs=450, nic_gbps=400, hbm_tbs=4.0,
+        source="NVIDIA GH200 Grace Hopper datasheet: H100 with 96 GB HBM3 at 4 TB/s, 989.4 TFLOPS dense BF16; "
         "NVLink-C2C 900 GB/s total = 450 GB/s per direction; Grace 480 GB LPDDR5X at 512 GB/s; GPU-to-GPU NVLink "
         f"900 GB/s (NVL2/NVL32); {_NDR} assumed"),
     "a100-80g": lambda: _nominal(
         "a100-80g", gpu_gib=80, bf16_tflops=312, fp32_tflops=19.5, link_gbs=32, host_gib=1024, host_gbs=204.8,
-        intra_gbs=300, nic_gbps=200, sockets=2,
-        source=f"NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS dense BF16, 19.5 TFLOPS FP32, 80 GB HBM2e, NVLink 3 600 "
+        intra_gbs=300, nic_gbps=200, sockets=2, hbm_tbs=2.039,
+        source=f"NVIDIA A100 SXM 80GB datasheet: 312 TFLOPS dense BF16, 19.5 TFLOPS FP32, 80 GB HBM2e at 2,039 GB/s, NVLink 3 600 "
         f"GB/s per GPU = 300 GB/s per direction; {_PCIE4}; DGX A100: 1 TB, two sockets, one ConnectX-6 200 Gb/s "
         "HDR InfiniBand per GPU; host: one EPYC 7742 socket, 8 ch DDR4-3200 = 204.8 GB/s"),
     "rtx4090": lambda: _nominal(
         "rtx4090", gpu_gib=24, bf16_tflops=165.2, fp32_tflops=82.6, link_gbs=32, host_gib=128, host_gbs=89.6,
-        intra_gbs=32, nic_gbps=100,
+        intra_gbs=32, nic_gbps=100, hbm_tbs=1.008,
         source=f"NVIDIA Ada whitepaper RTX 4090: 165.2 TFLOPS dense BF16 (FP32 accumulate), 82.6 TFLOPS FP32, "
-        f"24 GB GDDR6X, no NVLink (collectives over {_PCIE4}, through the host); desktop host 128 GB, 2 ch "
+        f"24 GB GDDR6X at 1,008 GB/s, no NVLink (collectives over {_PCIE4}, through the host); desktop host 128 GB, 2 ch "
         "DDR5-5600 = 89.6 GB/s; 100 Gb/s Ethernet per GPU assumed"),
     "cpu": lambda: Hardware(
         name="cpu", device="cpu", gpu_memory_bytes=8 * GiB,
@@ -209,9 +264,12 @@ PRESETS = {
         h2d_bytes_per_s=5e9, d2h_bytes_per_s=5e9, host_memory_bytes=16 * GiB, host_memory_bytes_per_s=1e10,
         allocator_margin=0.0, reserved_bytes=0, op_overhead_s=2e-5, copy_latency_s=2e-5,
         intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e9, collective_latency_s=2e-4,
+        host_cast_elements_per_s={1: 1e10 / CAST_BYTES}, cast_threads=1, device_cast_elements_per_s=1e10 / CAST_BYTES,
         source="simulated device on a 2-core CI machine (runtime 'sim'): round figures below what "
         "`megatrain probe --device cpu` measured there (bf16 matmul 1.3-2.6 GFLOP/s without AMX, fp32 ~100 "
-        "GFLOP/s, memcpy 4-10 GB/s, AdamW 16 GB/s); no margin or reserve because the sim pool is exact; "
+        "GFLOP/s, memcpy 4-10 GB/s, AdamW 16 GB/s, the fp32 -> bf16 cast 2.9-3.4 G elements/s at 1 thread, "
+        "median: priced at the host bandwidth / 6 B, 1.67 G/s, on the h2d worker's 1 thread and for the sim "
+        "device's own cast, torch's on that worker); no margin or reserve because the sim pool is exact; "
         "collectives: gloo over localhost TCP, a round 1 GB/s and 0.2 ms each"),
 }
 

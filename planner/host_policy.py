@@ -15,9 +15,10 @@ Every policy keeps fp32 master weights. What it compresses is what waits between
 | bf16 | bf16 | bf16 (the clip norm is computed in fp32 on the device) | 8 / 10 |
 | fp8 | float8 e4m3 per 256-element block with an fp32 scale (v floored at the block's least step) | bf16 | 6.03 / 8.03 |
 
-No policy keeps a persistent compute-dtype copy: a bf16 unit's H2D source is cast from the master into a
-pinned staging ring as it is loaded (2 x 16M elements); an fp32 unit's master is itself pinned and crosses the
-link. A gradient lives on host only while something waits for it: the units stepped as their gradients land
+No policy keeps a persistent compute-dtype copy of its own: by default a bf16 unit's H2D source is cast from
+the master into a pinned staging ring as it is loaded (2 x 16M elements); the `cast` pass (cast.py) may instead
+pin the masters and cast on the GPU, or keep a pinned bf16 copy the optimizer writes (`transfer_buffers`); an
+fp32 unit's master is itself pinned and crosses the link. A gradient lives on host only while something waits for it: the units stepped as their gradients land
 take turns in a ring of host gradient buffers (two at least; the optimizer pass takes more when host memory
 allows and they shorten the step); with clipping (every gradient waits for the global norm) or after the
 optimizer split (those wait for the backward to end) a unit has a buffer of its own (schedule.py
@@ -180,20 +181,33 @@ def checkpoint_host_bytes(checkpoints: Sequence[Sequence[int]]) -> int:
     return pinned + pageable + staging_bytes(max((sum(c) for c in checkpoints), default=0))
 
 
+def transfer_buffers(ir: ModelIR, cast: str | None) -> tuple[bool, list[tuple[str, int]]]:
+    """(masters pinned, [(component, bytes)] of the pinned buffers a load reads besides them) for the compute-dtype
+    cast at `cast` (planner/cast.py; None: on the host for bf16): fp32 and "gpu" send the pinned masters
+    themselves; "host" casts into the two-buffer staging ring; "copy" keeps a bf16 copy of every unit's masters."""
+    db = dtype_bytes(ir.dtype)
+    if ir.dtype == "float32" or cast in ("none", "gpu"):
+        return True, []
+    if cast == "copy":
+        return False, [("transfer_copy", db * u.host_numel) for u in ir.units]
+    return False, [("transfer_staging", db * staging_elems(ir))] * 2
+
+
 def host_layout(ir: ModelIR, policy: HostPolicy, assignment: Sequence[int],
-                checkpoints: Sequence[Sequence[int]] = ()) -> dict[str, int]:
+                checkpoints: Sequence[Sequence[int]] = (), cast: str | None = None) -> dict[str, int]:
     """Host bytes by component for `ir` under `policy`, with host gradient buffers as `assignment` gives
-    (one entry per unit) and offloaded `checkpoints` (tensor bytes of each: pinned, or pageable with the
-    pinned checkpoint staging when longer than a staging chunk)."""
-    fp32_compute = ir.dtype == "float32"
+    (one entry per unit), offloaded `checkpoints` (tensor bytes of each: pinned, or pageable with the
+    pinned checkpoint staging when longer than a staging chunk) and the compute-dtype cast at `cast`
+    (transfer_buffers)."""
+    pinned_master, transfer = transfer_buffers(ir, cast)
     pinned: dict[str, list[int]] = {"master_fp32": [], "grads": [], "grad_norms": [], "transfer_staging": [],
                                     "unit_buffers": [], "checkpoints": [t for c in checkpoints if not staged(c) for t in c],
-                                    "checkpoint_staging": []}
+                                    "checkpoint_staging": [], "transfer_copy": []}
     out = {"master_fp32": 0, "moments": 0, "step_counts": 0,
            "checkpoints": sum(t for c in checkpoints if staged(c) for t in c)}
     for u in ir.units:
         owned = [p.numel for p in u.params if p.name not in u.tied]
-        if fp32_compute:
+        if pinned_master:
             pinned["master_fp32"].append(4 * u.host_numel)
         else:
             out["master_fp32"] += 4 * u.host_numel
@@ -203,7 +217,9 @@ def host_layout(ir: ModelIR, policy: HostPolicy, assignment: Sequence[int],
             pinned["unit_buffers"].append(u.buffer_bytes)
     pinned["grad_norms"].append(4 * sum(len(u.params) for u in ir.units))
     pinned["grads"] += [policy.grad_bytes * n for n in grad_buffer_elems(ir, assignment)]
-    pinned["transfer_staging"] += [dtype_bytes(ir.dtype) * staging_elems(ir)] * (2 if staging_elems(ir) else 0)
+    for key, nbytes in transfer:
+        if nbytes:
+            pinned[key].append(nbytes)
     if any(staged(c) for c in checkpoints):
         pinned["checkpoint_staging"] += [STAGING_BYTES] * STAGING_BUFFERS
     for key, sizes in pinned.items():

@@ -1,8 +1,8 @@
 """The planner: one ordered pipeline of named passes, each a pure function that records its decisions.
 
 Where it sits: `plan(ir, hardware, train, budget)` is the planner's entry point (docs/DESIGN.md 4.3); it runs
-host_policy -> chunks -> slots -> checkpoints -> order -> optimizer -> lower -> buffers -> sync -> verify -> estimate and
-assembles a Plan.
+host_policy -> chunks -> slots -> checkpoints -> order -> optimizer -> lower -> buffers -> sync -> cast -> verify ->
+estimate and assembles a Plan.
 Try it: `megatrain plan --model tiny --hardware cpu --seq-len 128 --micro-batch 2 --explain`.
 
 Each pass takes the pipeline state and returns a new one plus its decision lines; nothing is mutated.
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Buffer, Instr, Program
 
+from . import cast as cast_place
 from .bytesize import format_bytes, parse_bytes
 from .chunking import choose_chunk
 from .collectives import cost_model, decision_lines, lower_collectives
@@ -72,6 +73,14 @@ class State:
     program: Program | None = None
     timeline: Timeline | None = None
     estimate: Estimate | None = None
+    cast: cast_place.Choice | None = None
+    # the place of the compute-dtype cast the schedule is searched with (cast_prices_pass, or _replan's), and
+    # what that place holds beyond the host place's: the search leaves these bytes free
+    searched_cast: str | None = None
+    device_reserve: int = 0  # device bytes of the "gpu" place's staging buffer
+    host_reserve: int = 0  # node host bytes of the "copy" place beyond the staging ring
+    first_cast: cast_place.Choice | None = None  # the cast pass's choice on the first search, when searched again
+    first_searched: str | None = None  # the place the first search was priced with
 
 
 Pass = Callable[[State], tuple[State, list[str]]]
@@ -107,7 +116,7 @@ def chunks_pass(s: State) -> tuple[State, list[str]]:
 def _host_room(s: State) -> int:
     """Host bytes one rank may use beyond the model state: its node's memory left after every local rank's
     state, shared evenly."""
-    return (s.hw.host_memory_bytes - s.host_floor) // s.world.ranks_per_node
+    return (s.hw.host_memory_bytes - s.host_floor - s.host_reserve) // s.world.ranks_per_node
 
 
 def slots_pass(s: State) -> tuple[State, list[str]]:
@@ -140,7 +149,7 @@ def slots_pass(s: State) -> tuple[State, list[str]]:
 def checkpoints_pass(s: State) -> tuple[State, list[str]]:
     """Per-unit checkpoint placement plus slot counts, minimising predicted step time under the budget."""
     state_bytes = s.host_floor
-    device_budget = s.hw.device_bytes_for(s.budget)
+    device_budget = s.hw.device_bytes_for(s.budget) - s.device_reserve
     # NOTE: each pinned checkpoint tensor starts on a PIN_ALIGN boundary: leave room for that, and for the
     # checkpoint staging buffers should a checkpoint too long for its own pinned copy go to the host
     slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) + len(u.replay) for u in s.ir.units) + \
@@ -228,6 +237,37 @@ def sync_pass(s: State) -> tuple[State, list[str]]:
     return dataclasses.replace(s, program=program), lines
 
 
+def cast_prices_pass(s: State) -> tuple[State, list[str]]:
+    """The place of the compute-dtype cast whose prices the schedule search uses (cast.py `guess`: the least
+    busiest-resource bound within the bytes the least-memory schedule leaves); the `cast` pass decides."""
+    clip = s.train.clip_norm is not None
+    peak = exact_timeline(s.ir, s.train.grad_accum, minimal(s.ir), clip).peak
+    room = (s.hw.device_bytes_for(s.budget) - peak, s.hw.host_memory_bytes - s.host_floor)
+    where, lines = cast_place.guess(s.ir, s.hw, s.policy, clip, s.world, s.rank_irs, s.train.grad_accum, room)
+    if not lines:
+        return s, None
+    return _searched_with(s, where), lines
+
+
+def _searched_with(s: State, where: str) -> State:
+    """`s` with the op prices of the cast at `where` and its extra bytes left free for the search."""
+    device, host = cast_place.reserves(s.ir, where, s.world, s.rank_irs)
+    return dataclasses.replace(s, costs=cost_model(s.ir, s.hw, s.policy, s.train.clip_norm is not None, s.world,
+                                                   where), searched_cast=where, device_reserve=device,
+                               host_reserve=host)
+
+
+def cast_pass(s: State) -> tuple[State, list[str]]:
+    """Where the compute-dtype cast runs (cast.py): host, gpu or copy, the fastest the budgets allow, by the
+    estimator on this program."""
+    first = s.first_cast
+    c = cast_place.choose(s.ir, s.hw, s.policy, s.train.clip_norm is not None, s.world, s.program, s.budget,
+                          s.rank_irs, only=s.searched_cast if first is not None else None)
+    if first is not None:  # searched again with the place the first program's estimates chose
+        c = cast_place.searched_again(first, c, s.hw, s.first_searched)
+    return dataclasses.replace(s, program=c.program, costs=c.costs, estimate=c.estimate, cast=c), list(c.lines)
+
+
 def verify_pass(s: State) -> tuple[State, list[str]]:
     verify(s.program, ir=s.ir, budget_bytes=s.budget, hardware=s.hw)
     return s, [f"{len(s.program.instrs)} instructions verified: slot, gradient-slot and checkpoint hazards "
@@ -236,7 +276,7 @@ def verify_pass(s: State) -> tuple[State, list[str]]:
 
 def estimate_pass(s: State) -> tuple[State, list[str]]:
     tl = program_timeline(s.program)
-    est = estimate_time(s.program, s.costs)
+    est = s.estimate or estimate_time(s.program, s.costs)  # the cast pass estimated its choice already
     shares = ", ".join(f"{k} {v / est.step_time_s:.0%}" for k, v in est.critical_s.items() if v > 0)
     return dataclasses.replace(s, timeline=tl, estimate=est), [
         f"peak {format_bytes(tl.peak)} (buffers {format_bytes(tl.peak_buffers)}) -> GPU "
@@ -247,9 +287,10 @@ def estimate_pass(s: State) -> tuple[State, list[str]]:
 
 PASSES: tuple[tuple[str, Pass], ...] = (
     ("host_policy", host_policy_pass), ("chunks", chunks_pass), ("slots", slots_pass),
-    ("checkpoints", checkpoints_pass), ("order", order_pass),
+    ("cast_prices", cast_prices_pass), ("checkpoints", checkpoints_pass), ("order", order_pass),
     ("optimizer", optimizer_pass), ("lower", lower_pass), ("collectives", collectives_pass),
-    ("buffers", buffers_pass), ("sync", sync_pass), ("verify", verify_pass), ("estimate", estimate_pass))
+    ("buffers", buffers_pass), ("sync", sync_pass), ("cast", cast_pass), ("verify", verify_pass),
+    ("estimate", estimate_pass))
 
 
 def plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_bytes: int | str | None = None,
@@ -287,13 +328,43 @@ def _plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_by
     ranks = tuple(rank_ir(ir, world.nproc, r) for r in range(world.nproc)) if world.nproc > 1 else ()
     state = State(ir=ir, hw=hw, train=local, budget=budget, costs=CostModel(ir, hw), host_request=host_policy,
                   world=world, global_train=train, rank_irs=ranks)
-    records = []
-    for name, fn in PASSES:
+    records: list[PassRecord] = []
+    base = _run(state, records, PASSES[:SCHEDULE])
+    head = list(records)
+    state = _run(base, records, PASSES[SCHEDULE:])
+    state, records = _replan(base, head, state, records)
+    return Plan(**plan_fields(state, tuple(records), time.perf_counter() - t0))
+
+
+SCHEDULE = [name for name, _ in PASSES].index("checkpoints")  # the first pass that prices the ops
+
+
+def _run(state: State, records: list[PassRecord], passes) -> State:
+    for name, fn in passes:
         t = time.perf_counter()
         state, lines = fn(state)
         if lines is not None:
             records.append(PassRecord(name=name, decisions=tuple(lines), seconds=time.perf_counter() - t))
-    return Plan(**plan_fields(state, tuple(records), time.perf_counter() - t0))
+    return state
+
+
+def _replan(base: State, head: list[PassRecord], state: State, records: list[PassRecord]):
+    """When the cast pass chose another place than the one the schedule (placement, slots, optimizer order)
+    was searched with, search it again from `base` (the state before `checkpoints`) with the chosen place's
+    prices and bytes left free, and keep whichever predicts the shorter step."""
+    where = state.cast.where if state.cast is not None else "none"
+    if where in ("none", base.searched_cast):
+        return state, records
+    again = dataclasses.replace(_searched_with(base, where), first_cast=state.cast,
+                                first_searched=base.searched_cast)
+    recs = list(head)
+    try:
+        again = _run(again, recs, PASSES[SCHEDULE:])
+    except InfeasiblePlanError:  # the reserved bytes left no schedule: keep the first
+        return state, records
+    if again.estimate.step_time_s < state.estimate.step_time_s:
+        return again, recs
+    return state, records
 
 
 def _check_inputs(ir: ModelIR, hw: Hardware, train: TrainSpec, budget: int) -> None:

@@ -9,10 +9,11 @@ forward/backward. `peak_buffer_bytes` is the buffers alone, which a sim device's
 `host_bytes` = what the host allocates for the step under `host_policy` (host_policy.py `host_layout`), to the
 byte: fp32 masters (4 per flat element), AdamW moments in the policy's dtype and their step counts, the host
 gradient buffers the program's store_grads land in (a ring for units stepped as they land, one per waiting
-unit), per-parameter gradient norms, the bf16 staging ring the link is fed from, unit buffers (MoE), host
+unit), per-parameter gradient norms, the bf16 staging ring the link is fed from (or, with the `copy` cast,
+a bf16 copy of every master: cast.py), unit buffers (MoE), host
 checkpoints (every offloaded carry tensor, a pool reused each step: pinned at its exact size, or pageable for
 one longer than a staging chunk), the pinned staging buffers those longer ones cross through
-(runtime/staging.py: 4 x 256 MiB, when any), and the pinned region's alignment. No persistent transfer copy.
+(runtime/staging.py: 4 x 256 MiB, when any), and the pinned region's alignment.
 """
 
 from __future__ import annotations
@@ -91,8 +92,16 @@ class Plan(IRModel):
     collectives_s: float = Field(0.0, description="seconds of collectives one rank issues per step (comm stream)")
     host_policy: str = Field("exact", description="how the host holds the state (host_policy.POLICIES)")
     host_policy_reason: str = Field("", description="why the host_policy pass chose it")
+    cast: Literal["none", "host", "gpu", "copy"] = Field(
+        "none", description="where the compute-dtype cast feeding the loads runs (cast.py; the Program's cast)")
+    cast_elements_per_s: float | None = Field(None, description="the rate that cast is priced at, elements/s")
+    cast_reason: str = Field("", description="why the cast pass chose it")
+    cast_step_s: dict[str, float] = Field(default_factory=dict, description="the predicted step under each place "
+                                          "the budgets allow")
     step_time_s: float
     first_step_s: float
+    time_to_first_step_s: float = Field(0.0, description="seconds to create the host store before the first step: "
+                                        "first touch of host_bytes and the initial weights (creation.py)")
     tokens_per_s: float
     model_tflops: float = Field(description="model FLOPs per step (recompute excluded) / step time, in TFLOP/s")
     mfu: float = Field(description="model FLOP/s over the nominal dense peak of the compute dtype")
@@ -130,7 +139,10 @@ class Plan(IRModel):
                       "host_bytes_per_node": self.host_bytes_per_node, "collectives_s": self.collectives_s},
             "host_policy": {"name": self.host_policy, "bytes_per_param": self.state_bytes_per_param,
                             "reason": self.host_policy_reason},
+            "cast": {"where": self.cast, "elements_per_s": self.cast_elements_per_s, "reason": self.cast_reason,
+                     "step_time_s": self.cast_step_s},
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "time_to_first_step_s": self.time_to_first_step_s,
             "model_tflops": self.model_tflops, "mfu": self.mfu, "bottleneck": self.bottleneck,
             "bottleneck_share": self.bottleneck_share, "critical_path_s": self.critical_path_s,
             "compute_bound_tokens_per_s": self.compute_bound_tokens_per_s,

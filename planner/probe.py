@@ -9,7 +9,9 @@ bandwidth, the host memory bandwidth of a streaming read-modify-write (`host_str
 x *= s and x += y over arrays 8x the caches, bytes read + written per second: the bound the host optimizer is
 measured against), host AdamW throughput (torch's fused CPU AdamW, the exact host policy's step, converted to
 bytes/s with costs.ADAMW_BYTES["exact"] so the estimator gets back params/s), every host policy's own step
-rate (`host_optimizer_bytes_per_s`, runtime/host_state.py step_rate, in the policy's traffic bytes/s), and on
+rate (`host_optimizer_bytes_per_s`, runtime/host_state.py step_rate, in the policy's traffic bytes/s), store
+creation's first touch and drawing of initial weights (`creation_rates`: planner/creation.py), the
+compute-dtype cast's fp32 -> bf16 rates per thread count and on the device (`cast_fields`: planner/cast.py), and on
 CUDA the pinned host->device and device->host bandwidth. Nominal peaks for MFU come from the matching preset when the GPU
 is one we know, else the measured rate stands in.
 """
@@ -17,6 +19,7 @@ is one we know, else the measured rate stands in.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 from .costs import ADAMW_BYTES
@@ -70,6 +73,38 @@ def stream_bandwidth(torch, nbytes: int, repeats: int) -> float:
     return max(2 * nbytes / scale, 3 * nbytes / add)
 
 
+def creation_rates(torch, nbytes: int, params: int, repeats: int) -> tuple[float, float]:
+    """Store creation's two rates, through the store's own code (runtime/host_init.py): bytes/s of the first
+    touch of `nbytes` of fresh memory on the creation pool, half zero-filled as moments are and half touched as
+    masters are, the median of `repeats` allocations all held to the end, so that none reuses pages another
+    freed (a store's are new to it); and initial weights drawn per second, all of init_into's threads drawing
+    `params` each at once, the best of `repeats`. It runs first in a probe, before other measurements free
+    memory. NOTE: on a VM that hands freed memory back to its host (free page reporting), a page freed a moment
+    ago faults in up to 10x faster than one the host took back; a store meets mostly the second kind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatrain.runtime import host_init, host_memory
+
+    half = nbytes // 2 // 4 * 4
+    held, took = [], []
+    for _ in range(repeats):
+        held += [host_memory.empty((half // 4,), torch.float32) for _ in range(2)]
+        t = time.perf_counter()
+        host_init.run([(host_init.zero_chunk, held[-2]), (host_init.touch_chunk, held[-1])])
+        took.append(time.perf_counter() - t)
+    del held
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    outs = [torch.zeros(params) for _ in range(threads)]  # present: the store's masters are touched first
+    gens = [torch.Generator().manual_seed(k) for k in range(threads)]
+
+    def draw(k: int):  # as models.transformer._draw draws a weight
+        return torch.randn((params,), generator=gens[k], out=outs[k]).mul_(0.02)
+
+    with ThreadPoolExecutor(threads) as pool:
+        drawn = _best(lambda: list(pool.map(draw, range(threads))), repeats, lambda: None)
+    return 2 * half / statistics.median(took), threads * params / drawn
+
+
 def policy_rates(n: int, repeats: int, threads: int | None = None) -> dict[str, float]:
     """Each host policy's optimizer step in its traffic bytes/s (what costs.py divides by), unclipped under
     its name and clipping under `NAME+clip` (the clip factor is applied inside the same pass: the same
@@ -108,6 +143,36 @@ def _optimizer_path() -> str:
     return "host optimizer: one pass (runtime/host_kernel.c)" if why is None else f"host optimizer: torch ops ({why})"
 
 
+def cast_thread_counts(top: int, h2d: int) -> list[int]:
+    """The thread counts the cast is measured at: 1, 2, 4, ... up to the cores `top`, `top` itself and the h2d
+    worker's `h2d` (every count up to 8; powers of two past it, so a 128-core host probes in seconds)."""
+    counts = set(range(1, min(top, 8) + 1)) | {1 << k for k in range(top.bit_length()) if 1 << k <= top}
+    return sorted(counts | {top, min(h2d, top)})
+
+
+def cast_fields(torch, device: str, n: int, repeats: int, sync) -> tuple[dict, str]:
+    """The compute-dtype cast's rates (planner/cast.py) as Hardware fields, and a note for its source: the host's
+    fp32 -> bf16 cast of `n` elements per thread count (cast_thread_counts; the C cast where it runs,
+    runtime/cast_kernel.py, else torch's copy_), the threads the h2d worker casts on in a run (runtime/cpus.py),
+    and the device's cast: a GPU kernel on CUDA; on the sim device torch's copy_ on the h2d worker's thread,
+    which is what its "gpu" place runs."""
+    from megatrain.runtime import cast_kernel, cpus
+
+    threads = cpus.resolve("cuda" if device == "cuda" else "sim", bind=False).threads["h2d"]
+    rates = {k: cast_kernel.cast_rate(n, k, repeats) for k in cast_thread_counts(cast_kernel.cpu_threads(), threads)}
+    if device == "cuda":
+        src = torch.randn(n, device="cuda")
+        dst = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        dev = n / _best(lambda: dst.copy_(src), repeats, sync)
+    else:
+        dev = cast_kernel.cast_rate(n, threads, repeats, kernel=False)
+    why = cast_kernel.why_not()
+    path = "C (runtime/cast_kernel.c)" if why is None else f"torch copy_ ({why})"
+    note = (f"cast: {path} {rates[min(threads, max(rates))] / 1e9:.2f} G elements/s on the h2d worker's {threads} "
+            f"thread(s), device {dev / 1e9:.3g} G/s")
+    return {"host_cast_elements_per_s": rates, "cast_threads": threads, "device_cast_elements_per_s": dev}, note
+
+
 def _host_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -124,6 +189,7 @@ def probe(device: str = "auto", quick: bool = False) -> Hardware:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but torch sees no CUDA device; run on a GPU machine or use --device cpu")
     repeats = 2 if quick else 5
+    touch, draws = creation_rates(torch, 256 << 20, (1 if quick else 4) << 20, repeats)  # first: see there
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     sizes = {"bfloat16": 8192 if cuda else 256, "float32": 8192 if cuda else 512}
@@ -135,7 +201,9 @@ def probe(device: str = "auto", quick: bool = False) -> Hardware:
     adam = _adamw(torch, (4 if quick else 16) * 2**20, repeats) * ADAMW_BYTES["exact"]
     host_threads = host_optimizer_threads(device)
     rates = policy_rates((4 if quick else 16) * 2**20, repeats, host_threads)
-    host, path = _host_bytes(), f"{_optimizer_path()} on {host_threads} thread(s), as training runs it"
+    cast, cast_note = cast_fields(torch, device, (4 if quick else 16) << 20, repeats, sync)
+    host, path = _host_bytes(), (f"{_optimizer_path()} on {host_threads} thread(s), as training runs it; store "
+                                 f"creation: first touch {touch / 1e9:.2f} GB/s, {draws / 1e6:.0f}M weights/s")
     if cuda:
         props = torch.cuda.get_device_properties(0)
         pinned = torch.empty(nbytes * 4, dtype=torch.uint8, pin_memory=True)
@@ -148,14 +216,16 @@ def probe(device: str = "auto", quick: bool = False) -> Hardware:
         return Hardware(name=f"probed {name}", gpu_memory_bytes=props.total_memory, matmul_flops=flops,
                         peak_flops=peak, h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, host_memory_bytes=host,
                         host_memory_bytes_per_s=adam, host_stream_bytes_per_s=stream,
-                        host_optimizer_bytes_per_s=rates, source=f"megatrain probe on {name} ({'quick' if quick else 'full'}); nominal peak from "
-                        f"{known or 'the measurement'}; host copy {copy_bw / 1e9:.1f} GB/s; {path}")
+                        host_optimizer_bytes_per_s=rates, host_touch_bytes_per_s=touch,
+                        host_init_params_per_s=draws, **cast, source=f"megatrain probe on {name} ({'quick' if quick else 'full'}); nominal peak from "
+                        f"{known or 'the measurement'}; host copy {copy_bw / 1e9:.1f} GB/s; {path}; {cast_note}")
     return Hardware(name="probed cpu", device="cpu", gpu_memory_bytes=host // 2, matmul_flops=flops, peak_flops=flops,
                     h2d_bytes_per_s=copy_bw, d2h_bytes_per_s=copy_bw, host_memory_bytes=host,
                     host_memory_bytes_per_s=adam, host_stream_bytes_per_s=stream,
-                    host_optimizer_bytes_per_s=rates, allocator_margin=0.0, reserved_bytes=0, op_overhead_s=2e-5,
+                    host_optimizer_bytes_per_s=rates, host_touch_bytes_per_s=touch, host_init_params_per_s=draws,
+                    allocator_margin=0.0, reserved_bytes=0, op_overhead_s=2e-5, **cast,
                     copy_latency_s=2e-5, source=f"megatrain probe --device cpu ({'quick' if quick else 'full'}): "
-                    f"the sim device copies with host memcpy; half the host memory is its pool; {path}")
+                    f"the sim device copies with host memcpy; half the host memory is its pool; {path}; {cast_note}")
 
 
 def _matches(preset: str, device_name: str) -> bool:

@@ -9,7 +9,7 @@ What is measured, per distinct unit template at the planned micro-batch, sequenc
 on the device (the sim device's stream workers with the thread settings a run uses, or CUDA streams): every
 op the engine runs for it, through the engine's own code (forward without and with its autograd graph,
 backward from the graph and recomputing, the norm pass, a rebuild where the unit can, its parameter load and
-gradient store at slot size, a checkpoint's offload and reload), the host optimizer step of the unit at its
+gradient store at slot size (bf16: the load from each place of the compute-dtype cast, planner/cast.py), a checkpoint's offload and reload), the host optimizer step of the unit at its
 real size under the host policy (with and without a clip factor), and for the device as a whole the cost of one
 instruction on a stream (`dispatch_s`), the wake-up of a stream waiting on another's event
 (`event_latency_s`), the gap between one step's compute and the next step's first instruction (the
@@ -36,11 +36,12 @@ from megatrain.files import cache_root, check_cache_writable, read_json, write_a
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
-PROFILE_VERSION = 9  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
+PROFILE_VERSION = 10  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
 # 4: attention replay's forward and backward; 5: kept graphs timed as a pass (unit_probe.PASS_BYTES); 6: contention
 # as the median of paired ratios over unit_probe.CONTENTION_ROUNDS, the host kernel's prefetch and clip multiply;
 # 7: the host kernel's AVX-512 fp8 loop (fp8's rate); 8: fp8's one-division update (fp8's rate); 9: fp8's codes
-# through fp16 and fused update (fp8's rate)
+# through fp16 and fused update (fp8's rate); 10: loads per place of the compute-dtype cast (`load_cast_s`), the
+# host cast in C (runtime/cast_kernel.c)
 MAX_PROFILE_BYTES = 4 << 20
 
 
@@ -62,7 +63,10 @@ class UnitTimes(IRModel):
     forward_replay_s: float | None = Field(None, ge=0, description="forward keeping its attention record")
     replay_backward_s: float | None = Field(None, ge=0, description="backward whose recompute replays attention")
     norm_s: float = Field(ge=0, description="what `norm` (per-parameter gradient norms) adds to a backward")
-    load_s: float = Field(ge=0, description="load_params: its weights (and buffers) into a slot")
+    load_s: float = Field(ge=0, description="load_params: its weights (and buffers) into a slot (bf16: cast on "
+                          "the host, the default place of the compute-dtype cast)")
+    load_cast_s: dict[str, float] = Field(default_factory=dict, description="bf16: load_params with the cast at "
+                                          "another place of planner/cast.py ('gpu', 'copy')")
     store_s: float = Field(ge=0, description="store_grads: its gradients and norms to the host")
     offload_s: float = Field(0.0, ge=0, description="offload_act of its carry-in checkpoint")
     reload_s: float = Field(0.0, ge=0, description="load_act of its carry-in checkpoint")

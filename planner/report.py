@@ -12,6 +12,7 @@ from megatrain.ir.base import dtype_bytes
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Program, checkpoint_tensors
 
+from .creation import store_creation_s
 from .host_policy import HostPolicy, host_layout, resolve
 from .plan import PassRecord, UnitPlan
 
@@ -29,7 +30,7 @@ def program_host_breakdown(ir: ModelIR, program: Program, policy: HostPolicy | s
             assignment[index[ins.unit]] = ins.host_grad
     offloaded = sorted({ins.buffer for ins in program.instrs if ins.op == "offload_act"})
     checkpoints = [tuple(t.nbytes for t in checkpoint_tensors(ir, program.buffer(name))) for name in offloaded]
-    return host_layout(ir, resolve(policy), assignment, checkpoints)
+    return host_layout(ir, resolve(policy), assignment, checkpoints, program.cast)
 
 
 def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dict:
@@ -77,7 +78,10 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
         host_bytes_per_rank=tuple(totals),
         host_bytes_per_node=max(sum(totals[n * L:(n + 1) * L]) for n in range(s.world.nnodes)),
         host_policy=s.policy.name, host_policy_reason=s.host_reason,
+        cast=s.cast.where, cast_elements_per_s=s.cast.elements_per_s, cast_reason=s.cast.reason,
+        cast_step_s=s.cast.step_s,
         step_time_s=step, first_step_s=est.first_step_s, tokens_per_s=tokens / step,
+        time_to_first_step_s=store_creation_s(hw, sum(host.values()), ir.params_total),
         model_tflops=model_flops / step / 1e12, mfu=model_flops / step / hw.peak(ir.dtype),
         bottleneck=est.bottleneck, bottleneck_share=est.bottleneck_share, critical_path_s=est.critical_s,
         busy_s=est.busy_s, compute_bound_tokens_per_s=tokens / (max(model_flops, 1) / flops),

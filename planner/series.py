@@ -40,7 +40,7 @@ LAYERS = {  # drawing order, bottom to top: label
 }
 BUFFER_LAYER = {"param_slot": "param_slot", "grad_slot": "grad_slot", "resident": "static", "batch": "static",
                 "loss": "static", "carry": "checkpoint", "saved": "checkpoint", "grad_carry": "grad_carry",
-                "attention": "checkpoint"}
+                "attention": "checkpoint", "cast_stage": "param_slot"}  # cast: the weights' own way in
 BUFFER_LAYERS = ("param_slot", "grad_slot", "static", "checkpoint", "grad_carry")
 LANES = {"compute": "compute", "h2d": "h2d", "d2h": "d2h", "host": "host optimizer"}
 MAX_LABELS = 12  # more table groups than this: label the compute lane by unit kind instead

@@ -17,6 +17,8 @@ step boundary are checked too. What it checks:
   that buffer (this step or the next) waits until every reader of u's gradient is done (its step, its tied
   owner's step, clip_grads); each unit's last micro-batch's backward, and only it, writes the norms (`norm`);
 - layer-major order and at most one load per unit per pass; the peak against the budget;
+- the compute-dtype cast (cast.py `check`): a place the compute dtype has, and the `cast` staging buffer
+  exactly where the place is "gpu";
 - a world program's collectives (collectives.py `check_collectives`): every read of a sharded unit's slot
   after its all_gather, which follows the unit's shard load; one gradient collective per unit, after its last
   backward and before its store, of the kind (reduce_scatter, all_reduce) its shard flags say.
@@ -29,6 +31,7 @@ from collections import defaultdict
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Instr, Program
 
+from .cast import check as check_cast
 from .collectives import check_collectives
 from .errors import ScheduleError
 from .hardware import Hardware
@@ -100,6 +103,8 @@ def check(program: Program, *, ir: ModelIR | None = None, budget_bytes: int | No
     problems += _check_host_grads(instrs, hb, ir, program.world_size)
     problems += check_collectives(program, hb, _at)
     problems += _check_order(instrs, program.n_micro_batches, ir)
+    if ir is not None:
+        problems += check_cast(program, ir)
     if budget_bytes is not None:
         peak = program_timeline(program).peak
         need = hardware.gpu_bytes(peak) if hardware else peak

@@ -355,6 +355,8 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
             say(json.dumps({"first_loss": round(first["loss"], 4), "last_loss": round(last["loss"], 4),
                               "val_loss": last.get("val_loss"), "tokens_per_s": round(last["tokens_per_s"], 1),
                               "predicted_tokens_per_s": round(p.train.tokens_per_step / p.step_time_s, 1),
+                              "time_to_first_step_s": round(trainer.time_to_first_step_s, 3),
+                              "predicted_time_to_first_step_s": round(p.time_to_first_step_s, 3),
                               "peak_device_bytes": last["peak_device_bytes"],
                               "planned_peak_device_bytes": last["planned_peak_device_bytes"]}))
     return 0

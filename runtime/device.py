@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import cast_kernel
 from .cpus import CpuBudget
 from .cpus import resolve as resolve_cpus
 
@@ -309,8 +310,9 @@ class Device:
     def stage_copy(self, dst: torch.Tensor, src: torch.Tensor, stage: torch.Tensor) -> None:
         """dst.copy_(src) through `stage`, a pinned host buffer of dst's dtype: `src` (host, another dtype) is
         cast into it on this thread, then copied. On cuda the cast first waits for the previous copy out of
-        `stage`, so with two staging buffers a cast overlaps the transfer before it."""
-        stage.copy_(src)
+        `stage`, so with two staging buffers a cast overlaps the transfer before it. The cast is the C one
+        (cast_kernel.py: torch's bits, on this worker's intra-op threads)."""
+        cast_kernel.cast(src, stage)
         self.copy(dst, stage)
 
     def measured_peak_bytes(self) -> int:
@@ -612,7 +614,7 @@ class CudaDevice(Device):
             done = self._stage_events.get(key)
         if done is not None:
             done.synchronize()  # the previous copy out of this staging buffer has finished
-        stage.copy_(src)
+        cast_kernel.cast(src, stage)  # the C cast, torch's bits (cast_kernel.py)
         dst.copy_(stage, non_blocking=True)
         event = torch.cuda.Event(blocking=True)  # the next copy's synchronize() sleeps, not spins a core
         event.record()  # on the current stream: the h2d stream's inside load_params, the caller's in evaluate

@@ -111,6 +111,9 @@ class Engine:
                 self.bufs[b.name] = dev.empty((b.nbytes // self.dtype.itemsize,), self.dtype)
             elif b.kind == "grad_slot":
                 self.bufs[b.name] = dev.empty((b.nbytes // 4,), torch.float32)
+            elif b.kind == "cast_stage":  # the "gpu" cast's fp32 landing buffer (runtime/cast.py)
+                self.bufs[b.name] = dev.empty((b.nbytes // 4,), torch.float32)
+                self.store.feed.bind(self.bufs[b.name])
         cos, sin = rope_tables(self.config, self.ir.seq_len, self.dtype)
         self.bufs["rope"] = (cos.to(dev.torch_device), sin.to(dev.torch_device))
         dev.synchronize()  # NOTE: the copies above ran on the caller's stream; the device's streams must see them

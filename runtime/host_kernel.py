@@ -12,6 +12,9 @@ Why: each policy's step is then one read and one write of each byte it holds (Ho
 torch path needs a pass per dtype expansion and rounding, clip multiply and fused kernel over each
 cache-sized chunk (docs/RESULTS.md "Host optimizer throughput").
 
+The same library holds the compute-dtype cast (cast_kernel.c, loaded and checked by cast_kernel.py) and the
+step that also writes a bf16 copy of the weights (`step(..., copy=)`, the `copy` place of planner/cast.py).
+
 The library is built with the system C compiler (`$CC`, else cc, gcc or clang) at -O3 -march=native
 -ffp-contract=off into $MEGATRAIN_CACHE/kernels (default ~/.cache/megatrain), keyed by the source, the flags,
 the compiler and the machine, and reused; written to a temporary name and renamed, so ranks building at once
@@ -36,9 +39,12 @@ import torch
 
 from megatrain.files import cache_root, write_atomic
 
+from . import cast_kernel
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_kernel.c")
+CAST_SOURCE = Path(__file__).with_name("cast_kernel.c")  # the compute-dtype cast (planner/cast.py), same library
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
 GCC_FLAGS = ["--param", "vect-epilogues-nomask=0"]  # no vectorised epilogues: 1.4 s to build instead of 2.5
 BLOCK = 256  # host_kernel.c BLOCK: pieces split between threads start at multiples of it
@@ -95,8 +101,8 @@ def _build() -> Path:
         raise RuntimeError("no C compiler on PATH (cc, gcc or clang; or name one in $CC)")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=False, timeout=30).stdout
     flags = FLAGS + ([] if "clang" in version.lower() else GCC_FLAGS)
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
-                                     _cpu().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), CAST_SOURCE.read_bytes(), " ".join(flags).encode(),
+                                     version.encode(), _cpu().encode()])).hexdigest()[:16]
     out = _cache_dir() / f"host_kernel-{key}.so"
     digest = out.with_name(out.name + ".sha256")
     if _intact(out, digest):
@@ -107,7 +113,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        run = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        run = subprocess.run([cc, *flags, "-o", tmp, str(SOURCE), str(CAST_SOURCE), "-lm"], capture_output=True, text=True,
                              timeout=BUILD_TIMEOUT_S)
         if run.returncode != 0:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[:500]}")
@@ -144,9 +150,11 @@ def _load() -> None:
         lib.mt_fp8_check.argtypes = [ctypes.c_uint32] * 3
         lib.mt_bf16_check.restype = ctypes.c_int64
         lib.mt_bf16_check.argtypes = [ctypes.c_uint32] * 3
+        cast_kernel.declare(lib)
     except (OSError, ValueError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         _state["why_not"] = f"could not build or load {SOURCE.name}: {e}"
         return
+    cast_kernel.check(lib)  # NOTE: the cast is checked on its own: it does not depend on torch's AdamW tails
     from .host_state import self_check  # NOTE: host_state imports this module; the check needs both paths
 
     first = None  # what the first guess got wrong: the likeliest tail, so the likeliest fault to name
@@ -208,12 +216,13 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
          avg_scale: torch.Tensor | None, sq_scale: torch.Tensor | None, *, lr: float, betas: tuple[float, float],
-         weight_decay: float, eps: float, step: float, factor: float = 1.0) -> None:
+         weight_decay: float, eps: float, step: float, factor: float = 1.0, copy: torch.Tensor | None = None) -> None:
     """One AdamW update of the contiguous fp32 `param` in place (torch's fused kernel's bits) from `grad` (fp32
     or bf16) times `factor` (the clip factor; 1: unclipped), and moments of any of MOMENTS' dtypes (fp8: with their
-    per-block scales); `step` is the count after the update."""
+    per-block scales); `step` is the count after the update. With `copy` (bf16, param's size; only where
+    cast_kernel.available()) the updated weights are also cast into it, in the same pass (cast_kernel.c)."""
     lib, n = _state["lib"], param.numel()
-    for t in (param, grad, exp_avg, exp_avg_sq):
+    for t in (param, grad, exp_avg, exp_avg_sq, *(() if copy is None else (copy,))):
         assert t.is_contiguous() and t.device.type == "cpu" and t.numel() == n
     assert param.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16)
     assert exp_avg.dtype == exp_avg_sq.dtype and (exp_avg.dtype != torch.float8_e4m3fn or avg_scale is not None)
@@ -223,15 +232,16 @@ def step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg
             _ptr(sq_scale))
     nvec = n - n % _state["lanes"]
     threads = min(torch.get_num_threads(), max(1, n // MIN_PIECE))
+    run = lib.mt_adamw if copy is None else lambda *a: lib.mt_adamw_copy(*a, copy.data_ptr())
     if threads <= 1:
-        lib.mt_adamw(*args, 0, n, nvec, ctypes.byref(hyper))
+        run(*args, 0, n, nvec, ctypes.byref(hyper))
         return
     piece = -(-n // threads // BLOCK) * BLOCK
     pool, size = _state.get("pool"), _state.get("pool_size", 0)
     if pool is None or size < threads:
         pool = _state["pool"] = ThreadPoolExecutor(threads, thread_name_prefix="host-adamw")
         _state["pool_size"] = threads
-    jobs = [pool.submit(lib.mt_adamw, *args, a, min(n, a + piece), nvec, ctypes.byref(hyper))
+    jobs = [pool.submit(run, *args, a, min(n, a + piece), nvec, ctypes.byref(hyper))
             for a in range(0, n, piece)]
     for j in jobs:
         j.result()

@@ -9,7 +9,8 @@ every block up to a power of two (llama2-7b: 37.7 GiB of pinned buffers become 4
 invisible to a host-memory check. Here the pinned buffers are views into one region: a plain (pageable)
 allocation of the exact total, each buffer at a PIN_ALIGN boundary, the region's start aligned to a page
 inside one page of slack; on CUDA that page-aligned range is page-locked in place with cudaHostRegister
-(`torch.cuda.cudart()`, the call torch's own checkpoint stager uses) and unregistered when the arena closes.
+(`torch.cuda.cudart()`, the call torch's own checkpoint stager uses) and unregistered when the arena closes;
+its pages are faulted in on several threads first (host_init.py), which registering would do on one.
 A non_blocking copy from registered memory is a true DMA; the caching allocator's bookkeeping never sees it.
 The sim device allocates the same region the same way, without the registration.
 
@@ -33,6 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from megatrain.planner.host_policy import PAGE, aligned, pinned_region_bytes
+
+from .host_init import touch_all
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,9 @@ class HostArena:
                 self._regions.append(region)
                 base = -region.data_ptr() % PAGE
                 if self.kind == "cuda":
+                    # NOTE: registering pins every page, faulting in the absent ones on this one thread:
+                    # fault them in on the creation pool first (host_init)
+                    touch_all(region)
                     self._register(region.data_ptr() + base, region_bytes - PAGE)
                 offset = base
                 for b in pinned:

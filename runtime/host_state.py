@@ -47,7 +47,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from megatrain.planner.host_policy import FP8_BLOCK, HostPolicy, resolve
 from megatrain.planner.train import TrainSpec
 
-from . import cpus, host_kernel, host_memory
+from . import cast_kernel, cpus, host_kernel, host_memory
 
 # NOTE: with several threads a torch op's OpenMP team spins on its cores for a while after it (libgomp's wait
 # policy) and takes them from a host step timed right after: bf16's rate measured 24-25 GB/s right after a
@@ -130,14 +130,17 @@ def _chunks(numel: int):
 
 def adamw_step(policy: HostPolicy | str, params: list[torch.Tensor], grads: list[torch.Tensor],
                moments: list[Moments], steps: list[torch.Tensor], cfg: TrainSpec, lr: float,
-               decay: list[bool] | None = None, clip: torch.Tensor | None = None) -> None:
+               decay: list[bool] | None = None, clip: torch.Tensor | None = None,
+               copies: list[torch.Tensor] | None = None) -> None:
     """One AdamW update in place of fp32 `params` from `grads` (the policy's gradient dtype) and `moments`,
     with the clip factor `clip` (clip_grad_norm_'s clamped coefficient; None: no clipping). `decay[i]`: whether
-    parameter i takes the weight decay (default: all do); `steps` are AdamW's fp32 step counts."""
-    _step(policy, params, grads, moments, steps, cfg, lr, decay, clip, host_kernel.available())
+    parameter i takes the weight decay (default: all do); `steps` are AdamW's fp32 step counts. `copies`: bf16
+    tensors the updated weights are cast into (the "copy" placement of the compute-dtype cast, planner/cast.py),
+    in the kernel's pass where it runs, else by a cast after the update: the same bits."""
+    _step(policy, params, grads, moments, steps, cfg, lr, decay, clip, host_kernel.available(), copies)
 
 
-def _step(policy, params, grads, moments, steps, cfg, lr, decay, clip, one_pass: bool) -> None:
+def _step(policy, params, grads, moments, steps, cfg, lr, decay, clip, one_pass: bool, copies=None) -> None:
     """adamw_step through host_kernel.c (`one_pass`) or through torch ops: the same bits either way."""
     policy = resolve(policy)
     decay = decay if decay is not None else [True] * len(params)
@@ -150,21 +153,29 @@ def _step(policy, params, grads, moments, steps, cfg, lr, decay, clip, one_pass:
         weight_decay = cfg.weight_decay if wd else 0.0
         group = ([params[i] for i in idx], [grads[i] for i in idx], [moments[i] for i in idx],
                  [steps[i] for i in idx])
+        into = [copies[i] for i in idx] if copies is not None else None
         if one_pass:  # NOTE: also exact unclipped, torch's fused kernel alone, which measured 10-15% slower
-            _one_pass(*group, cfg, lr, weight_decay, clip)
-        elif policy.moments == "float32" and policy.grads == "float32":
+            _one_pass(*group, cfg, lr, weight_decay, clip, into)
+            continue
+        if policy.moments == "float32" and policy.grads == "float32":
             _exact(*group, cfg, lr, weight_decay, clip)
         else:
             _compressed(policy, *group, cfg, lr, weight_decay, clip)
+        for p, c in zip(group[0], into or ()):
+            cast_kernel.cast(p.view(-1), c.view(-1))
 
 
-def _one_pass(params, grads, moments, steps, cfg, lr, wd, clip) -> None:
+def _one_pass(params, grads, moments, steps, cfg, lr, wd, clip, copies=None) -> None:
     # every policy multiplies by the clip factor, as clip_grad_norm_ does (g * 1.0 is g: unclipped is factor 1)
     factor = 1.0 if clip is None else float(clip)
-    for p, g, mom, step in zip(params, grads, moments, steps):
+    in_pass = cast_kernel.ready()  # the kernel's own cast writes the copy; else torch's, after
+    for k, (p, g, mom, step) in enumerate(zip(params, grads, moments, steps)):
+        copy = copies[k].view(-1) if copies is not None else None
         host_kernel.step(p.view(-1), g.view(-1), mom.exp_avg.view(-1), mom.exp_avg_sq.view(-1), mom.avg_scale,
                          mom.sq_scale, lr=lr, betas=cfg.betas, weight_decay=wd, eps=cfg.eps,
-                         step=float(step) + 1, factor=factor)
+                         step=float(step) + 1, factor=factor, copy=copy if in_pass else None)
+        if copy is not None and not in_pass:
+            copy.copy_(p.view(-1))
         step.add_(1)
 
 

@@ -36,8 +36,8 @@ def _loss_sum(model, tokens, targets, checkpoint_blocks: bool, loss_chunk: int, 
     """The model's own loss (its head's chunked cross-entropy), optionally with per-block activation
     checkpointing, the usual memory-saving baseline. Block i records its routing statistics in logs[i].
     `positions` (B, T) for a packed micro-batch; `chunk_tokens` tiles the units as a plan's ModelIR says."""
-    cos, sin = rope_tables(model.config, tokens.shape[1], model.embed.embed_tokens.weight.dtype)
-    packed = packing(positions) if positions is not None else {}
+    cos, sin = rope_tables(model.config, tokens.shape[1], model.embed.embed_tokens.weight.dtype, tokens.device)
+    packed = packing(positions.cpu(), tokens.device) if positions is not None else {}
     inputs = StepInputs(tokens=tokens, targets=targets, cos=cos, sin=sin, loss_chunk=loss_chunk,
                         chunk_tokens=chunk_tokens, **packed)
     carry = model.embed((), inputs)
@@ -121,17 +121,21 @@ class EagerTrainer:
                              1.0 / n_tokens, *positions, chunk_tokens=self.chunk_tokens)
             (loss / n_tokens).backward()
             total += float(loss.detach())
+        self._update(lr)
+        for i, block in enumerate(self.model.blocks):
+            if moe_layers(block):
+                update_buffers(block, dict(block.named_buffers()), [logs[i].records for logs in self.routing_logs])
+        self.step_index += 1
+        return total / n_tokens
+
+    def _update(self, lr: float) -> None:
+        """The optimizer step on the model's gradients (clipped first when the spec clips)."""
         if isinstance(self.opt, PolicyAdamW):
             self.opt.step(lr)  # clips inside, as the host store does
         else:
             if self.optim.clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.clip_norm)
             self.opt.step()
-        for i, block in enumerate(self.model.blocks):
-            if moe_layers(block):
-                update_buffers(block, dict(block.named_buffers()), [logs[i].records for logs in self.routing_logs])
-        self.step_index += 1
-        return total / n_tokens
 
     def routing_metrics(self) -> dict:
         """The last step's routing metrics, as Engine.routing_metrics reports them."""
@@ -150,5 +154,57 @@ def eager_train(config: ModelConfig, batches: list[list[tuple[torch.Tensor, torc
 
     Returns (model, losses): the per-step mean token loss, like the streamed engine reports."""
     trainer = EagerTrainer(config, optim, seed, dtype, checkpoint_blocks, loss_chunk, host_policy, chunk_tokens)
+    losses = [trainer.step(b) for b in batches]
+    return trainer.model, losses
+
+
+class MixedEagerTrainer(EagerTrainer):
+    """fp32 master weights, compute in `compute_dtype` (bf16): the usual mixed precision, and what a bf16
+    streamed run does. Each step the masters are rounded into a compute copy of the model (torch's
+    `.to(bfloat16)` bits, whichever place a plan casts at: planner/cast.py), every micro-batch runs forward and
+    backward on it, its gradients are summed into fp32 master gradients (the first copied, later ones added in
+    fp32, as the streamed gradient slot accumulates), and the optimizer steps the masters. Dense models only."""
+
+    def __init__(self, config: ModelConfig, optim: TrainSpec, seed: int = 0,
+                 compute_dtype: torch.dtype = torch.bfloat16, loss_chunk: int = 1024, host_policy: str = "exact"):
+        if config.moe is not None:
+            raise ValueError("MixedEagerTrainer trains dense models; an MoE's routing buffers are not stepped here")
+        super().__init__(config, optim, seed, torch.float32, loss_chunk=loss_chunk, host_policy=host_policy)
+        self.compute = build_eager(config, seed=seed, dtype=compute_dtype)
+
+    def step(self, micro_batches: list[tuple[torch.Tensor, ...]]) -> float:
+        lr = lr_at(self.optim, self.step_index)
+        for group in getattr(self.opt, "param_groups", ()):
+            group["lr"] = lr
+        masters = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in self.compute.named_parameters():
+                p.copy_(masters[name])
+        n_tokens = sum(int((mb[1] != IGNORE_INDEX).sum()) for mb in micro_batches)
+        total = 0.0
+        self.opt.zero_grad(set_to_none=True)
+        for tokens, targets, *positions in micro_batches:
+            self.compute.zero_grad(set_to_none=True)
+            logs = [routing.RoutingLog() for _ in self.compute.blocks]
+            loss = _loss_sum(self.compute, tokens, targets, self.checkpoint_blocks, self.loss_chunk, logs,
+                             1.0 / n_tokens, *positions)
+            (loss / n_tokens).backward()
+            total += float(loss.detach())
+            for name, p in self.compute.named_parameters():
+                m, g = masters[name], p.grad if p.grad is not None else torch.zeros_like(p)
+                if m.grad is None:
+                    m.grad = g.float()
+                else:
+                    m.grad.add_(g)
+        self._update(lr)
+        self.step_index += 1
+        return total / n_tokens
+
+
+def mixed_train(config: ModelConfig, batches: list[list[tuple[torch.Tensor, torch.Tensor]]], optim: TrainSpec,
+                seed: int = 0, host_policy: str = "exact"):
+    """MixedEagerTrainer over `batches` in the TrainSpec's compute dtype; returns (fp32 master model, losses)."""
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[optim.dtype]
+    trainer = MixedEagerTrainer(config, optim, seed, dtype, host_policy=host_policy)
     losses = [trainer.step(b) for b in batches]
     return trainer.model, losses

@@ -34,6 +34,7 @@ from megatrain.planner.host_policy import HostPolicy
 from megatrain.planner.train import TrainSpec
 from megatrain.planner.world import rank_ir, replicated_units, slice_start
 
+from . import host_init
 from .store import HostStore
 
 
@@ -69,7 +70,7 @@ class ShardedHostStore(HostStore):
             init_into(self.config, seed, {n: t.view(-1) for n, t in weights.items()})
             for p, v, name in zip(st.owned, st.master_views(), names):
                 a = self.start(st.unit.name, p)
-                v.copy_(weights[name].reshape(-1)[a : a + p.numel])
+                host_init.copy(v, weights[name].reshape(-1)[a : a + p.numel])
 
     def load_state(self, weights: dict[str, torch.Tensor]) -> None:
         """Set this rank's part of the masters from eager-named whole fp32 tensors (any subset of them)."""
@@ -92,6 +93,7 @@ class ShardedHostStore(HostStore):
         buffers, replicated). Read them to save; write into them to load."""
         st, b = self.units[unit], self._bufs
         st.bound = None
+        self.feed.invalidate(unit)  # a bf16 copy of the masters (runtime/cast.py) is cast again at its next load
         out = {"master": st.master, "exp_avg": b[f"exp_avg.{unit}"], "exp_avg_sq": b[f"exp_avg_sq.{unit}"]}
         if f"scales.{unit}" in b:
             scales = b[f"scales.{unit}"]

@@ -3,7 +3,8 @@
 Where it sits: the engine (engine.py) calls `load_params` to feed a unit's weights into a device slot, copies
 device gradients into `grad_target(unit, k)` (store_grads), reads the host checkpoint buffers of `host_act`
 (offload_act/load_act), and calls `clip_grads` and `step_unit` on the host stream. Layouts come from the
-ModelIR, so a flat buffer here and a device slot agree element for element.
+ModelIR, so a flat buffer here and a device slot agree element for element. Creating the buffers (every page
+touched on several threads, zero-filled only where zero is the initial value) is runtime/host_init.py's.
 
 What it holds, by host policy (planner/host_policy.py; the plan counts the same buffers, `host_layout`):
 per unit its fp32 master (flat, padding included), both AdamW moments in the policy's dtype (fp8: with block
@@ -11,10 +12,12 @@ scales) and AdamW's step counts; the host gradient buffers `hgrad{k}` of the pro
 `host_grad`: a ring the units stepped as their gradients land take turns in, one of its own for each unit
 whose gradient waits), in the policy's gradient dtype; the per-parameter gradient norms the device computes
 (`backward(norm=True)`); a pinned staging ring for bf16 runs; unit buffers (MoE routing state) and host
-checkpoints. Everything a copy touches is pinned (runtime/host_memory.py). No persistent compute-dtype
-copy: `load_params` casts a bf16 unit from its master into the staging ring chunk by chunk as it streams
-(an fp32 unit's pinned master crosses the link itself), so an optimizer step writes nothing but master and
-moments. Without a program (tests of the math) every unit has a gradient buffer of its own.
+checkpoints. Everything a copy touches is pinned (runtime/host_memory.py). Where a bf16 unit's compute-dtype
+weights come from is the plan's `cast` place (planner/cast.py, runtime/cast.py `feed`): by default cast from
+its master into the staging ring chunk by chunk as it streams; or its pinned fp32 master crosses and the
+device casts it; or a persistent bf16 copy (`copy.{unit}`) that each optimizer step writes besides master and
+moments. An fp32 unit's pinned master crosses the link itself. Without a program (tests of the math) every
+unit has a gradient buffer of its own, and bf16 casts on the host.
 
 Tied parameters (the LM head sharing the embedding) are owned by one unit: its master and moments live
 there; a borrower's load takes the tied slices from the owner's master, and its gradient is added to the
@@ -57,9 +60,13 @@ from megatrain.ir.trace import DTYPES as TRACE_DTYPES
 from megatrain.models import ModelConfig, decays, init_into, templates
 from megatrain.models.binding import buffer_views
 from megatrain.models.moe import update_buffers
-from megatrain.planner.host_policy import HostPolicy, grad_buffer_elems, resolve, staged, staging_elems
+from megatrain.planner.costs import default_cast
+from megatrain.planner.host_policy import HostPolicy, grad_buffer_elems, resolve, staged
 from megatrain.planner.train import TrainSpec
 
+from . import host_init
+from .cast import feed as cast_feed
+from .cast import host_buffers as cast_buffers
 from .host_memory import HostArena, HostBuffer
 from .host_state import Moments, adamw_step, grad_dtype, moment_dtype, n_blocks, update_bound
 from .optim import clip_coefficient
@@ -84,26 +91,22 @@ class UnitState:
         self.owned = [p for p in unit.params if p.name not in unit.tied]  # at their flat-buffer (device) offsets
         self.host = list(unit.host_params())  # the same parameters at their offsets in master and moments
         self.decay = [decays(f"{name}.{p.name}", p.shape) for p in self.owned]  # AdamW's weight-decay groups
+        # NOTE: nothing is zeroed here: host_init.prepare made every buffer present, zero where zero is its
+        # initial value, and left the masters to what overwrites them (the initial weights, a checkpoint)
         self.master = bufs[f"master.{name}"]
-        self.master.zero_()
         m, v = bufs[f"exp_avg.{name}"], bufs[f"exp_avg_sq.{name}"]
-        m.zero_()
-        v.zero_()
         self.moments = [Moments(m[p.offset : p.offset + p.numel], v[p.offset : p.offset + p.numel])
                         for p in self.host]
         if policy.moments == "fp8":
             scales = bufs[f"scales.{name}"]
-            scales.zero_()
             at, half = 0, scales.numel() // 2
             for mom, p in zip(self.moments, self.owned):
                 nb = n_blocks(p.numel)
                 mom.avg_scale, mom.sq_scale = scales[at : at + nb], scales[half + at : half + at + nb]
                 at += nb
         steps = bufs[f"steps.{name}"]
-        steps.zero_()
         self.steps = [steps[i] for i in range(len(self.owned))]
-        self.buffers = bufs.get(f"buffers.{name}", torch.zeros(0))
-        self.buffers.zero_()  # every routing buffer starts at 0 (models/routing.py)
+        self.buffers = bufs.get(f"buffers.{name}", torch.zeros(0))  # starting at 0 (models/routing.py)
         self.norms = norms  # the device's per-parameter gradient norms (unit.params order), fp32
         self.grad: torch.Tensor | None = None  # the flat host gradient of this step (a view of its hgrad{k})
         self.grad_buffer: int | None = None
@@ -135,9 +138,11 @@ class HostStore:
         self.policy = resolve(policy)
         self.config = ModelConfig.model_validate(ir.config)
         self.compute_dtype = TRACE_DTYPES[ir.dtype]
+        self.cast = (program.cast if program is not None else None) or default_cast(ir.dtype)  # planner/cast.py
         self.arena = HostArena(device)
         self._assignment = self._grad_assignment(program)
         bufs = self._bufs = self.arena.allocate(self._buffers())
+        host_init.prepare(bufs, ir.units, zero_grads=program is None)
         offsets = [0]
         for u in ir.units:
             offsets.append(offsets[-1] + len(u.params))
@@ -152,8 +157,9 @@ class HostStore:
                                    for stream in ("d2h", "h2d")} if self._staged() else {}
         if program is None:  # NOTE: no program binds gradient buffers: each unit's own is its gradient
             for i, st in enumerate(self.units.values()):
-                st.grad, st.grad_buffer = self.grad_buffers[i][: st.unit.flat_numel].zero_(), i
+                st.grad, st.grad_buffer = self.grad_buffers[i][: st.unit.flat_numel], i  # zero (prepare)
         self._sources = {u.name: self._load_sources(u) for u in ir.units}
+        self.feed = cast_feed(self.cast, self, bufs)  # where load_params' compute-dtype weights come from
         self._shared = {(self._owner(ref), ref) for u in ir.units for ref in u.tied.values()}
         self._templates = templates(self.config) if any(u.buffers for u in ir.units) else {}
         self._lock = threading.Lock()
@@ -194,10 +200,11 @@ class HostStore:
 
     def _buffers(self) -> list[HostBuffer]:
         """Every host buffer of the run: what planner/host_policy.py `host_layout` counts."""
-        pol, fp32, out = self.policy, self.compute_dtype == torch.float32, []
+        pol, out = self.policy, []
+        pinned_master, transfer = cast_buffers(self.ir, self.cast, self.compute_dtype)  # runtime/cast.py
         for u in self.ir.units:
             n, owned = u.host_numel, [p for p in u.params if p.name not in u.tied]
-            out.append(HostBuffer(f"master.{u.name}", "master_fp32", (n,), torch.float32, pinned=fp32))
+            out.append(HostBuffer(f"master.{u.name}", "master_fp32", (n,), torch.float32, pinned=pinned_master))
             for kind in ("exp_avg", "exp_avg_sq"):
                 out.append(HostBuffer(f"{kind}.{u.name}", "moments", (n,), moment_dtype(pol), pinned=False))
             if pol.moments == "fp8":
@@ -211,9 +218,7 @@ class HostStore:
                               pinned=True))
         for k, n in enumerate(grad_buffer_elems(self.ir, self._assignment)):
             out.append(HostBuffer(f"hgrad{k}", "grads", (n,), grad_dtype(pol), pinned=True))
-        if staging_elems(self.ir):
-            out += [HostBuffer(f"stage{k}", "transfer_staging", (staging_elems(self.ir),), self.compute_dtype,
-                               pinned=True) for k in range(2)]
+        out += transfer  # the staging ring or the bf16 copy
         for name in self._offloaded():
             carry = self._act_tensors(name)
             pinned = not staged([t.nbytes for t in carry])  # a long one crosses through the staging buffers
@@ -246,10 +251,12 @@ class HostStore:
         self._invalidate()
         for st in self.units.values():
             for p, v in zip(st.owned, st.master_views()):
-                v.copy_(weights[f"{st.unit.name}.{p.name}"].reshape(-1))
+                host_init.copy(v, weights[f"{st.unit.name}.{p.name}"].reshape(-1))
 
     def _invalidate(self) -> None:
-        """Masters may be written through views handed out: their norms must be taken again."""
+        """Masters may be written through views handed out: their norms must be taken again (and a bf16 copy
+        of them cast again, runtime/cast.py)."""
+        self.feed.invalidate()
         for st in self.units.values():
             st.bound = None
 
@@ -261,6 +268,7 @@ class HostStore:
         Read them to save; write into them to load."""
         st = self.units[unit]
         st.bound = None
+        self.feed.invalidate(unit)
         out: dict[str, torch.Tensor] = {}
         for p, v in zip(st.owned, st.master_views()):
             out[f"master/{unit}.{p.name}"] = v.view(p.shape)
@@ -305,19 +313,11 @@ class HostStore:
         return out
 
     def load_params(self, unit: str, dst: torch.Tensor, device) -> None:
-        """Copy `unit`'s weights into `dst` (a slot's first flat_numel elements, compute dtype) on `device`:
-        fp32 straight from the pinned masters; otherwise each chunk cast into the next staging buffer and
-        copied from there, so the cast of one chunk overlaps the transfer of the one before."""
-        k = 0
-        for lo, hi, src in self._sources[unit]:
-            if not self.stage:
-                device.copy(dst[lo:hi], src)
-                continue
-            step = self.stage[0].numel()
-            for a in range(lo, hi, step):
-                b = min(hi, a + step)
-                device.stage_copy(dst[a:b], src[a - lo : b - lo], self.stage[k][: b - a])
-                k ^= 1
+        """Copy `unit`'s weights into `dst` (a slot's first flat_numel elements, compute dtype) on `device`,
+        through the feed of the plan's cast place (runtime/cast.py): fp32 straight from the pinned masters; bf16
+        cast on the host into the staging ring chunk by chunk (the cast of one chunk overlapping the transfer
+        of the one before), cast on the device from fp32, or copied from the optimizer's bf16 copy."""
+        self.feed.load(self._sources[unit], dst, device)
 
     def grad_target(self, unit: str, host_grad: int) -> torch.Tensor:
         """Where store_grads lands `unit`'s gradients this step: host gradient buffer `host_grad`."""
@@ -450,7 +450,8 @@ class HostStore:
             return
         growth = self._growth(st, lr)
         adamw_step(self.policy, st.master_views(), st.views(st.grad), st.moments, st.steps, self.optim, lr,
-                   st.decay, self.clip_coef)
+                   st.decay, self.clip_coef, copies=self.feed.copies(unit))
+        self.feed.stepped(unit)
         if st.bound is not None:
             st.bound = st.bound * growth[0] + growth[1]  # what the update can do to any weight: no pass over them
         if st.unit.buffers:

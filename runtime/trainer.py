@@ -20,9 +20,12 @@ wall time from the step's start (or, when it overlapped the previous step's host
 final state) to its own last host-stream op, so the figures of back-to-back steps add up to the run's wall
 time and tokens/s is steady-state throughput; `compute_time_s` is the part until the loss was known (the host
 optimizer may still run then). A record is written once its step is final, at the latest right after the next
-step's compute. MoE models add the step's routing metrics (models/routing.py `summarize`): `moe_layers`
-(per MoE block: per-expert load fractions, experts per token, zero-expert share, capacity drop and pad
-rates, max/mean load, aux loss) and their averages over blocks as `moe_*`.
+step's compute. Each record also carries the time to the first step: the host store's creation as measured
+(`time_to_first_step_s`: first touch and initial weights, not a checkpoint's or model folder's load) beside
+the plan's `predicted_time_to_first_step_s` (planner/creation.py). MoE models add the step's routing
+metrics (models/routing.py `summarize`): `moe_layers` (per MoE block: per-expert load fractions, experts per
+token, zero-expert share, capacity drop and pad rates, max/mean load, aux loss) and their averages over blocks
+as `moe_*`.
 
 Data parallelism (`comm`, a distributed.Communicator: under torchrun every rank builds its own Trainer): the
 plan is one rank's step of the world (planner/world.py), the host store the rank's shard (sharded_store.py),
@@ -73,6 +76,7 @@ from .store import HostStore
 
 ON_NAN = ("abort", "skip")
 PAUSE_ENV = "MEGATRAIN_TEST_PAUSE_AT"
+HOST_MEM_ENV = "MEGATRAIN_HOST_MEM"  # the host memory to plan and check against, for a machine that grows it
 
 
 class NumericalFault(ValueError):
@@ -122,7 +126,18 @@ def _signals(enabled: bool):
 
 def available_host_bytes() -> int | None:
     """Memory this process can still get: MemAvailable, capped by a cgroup v2 limit less the cgroup's anonymous
-    memory (its page cache is reclaimable, as in MemAvailable); None where unknown (not Linux)."""
+    memory (its page cache is reclaimable, as in MemAvailable); None where unknown (not Linux). HOST_MEM_ENV,
+    when set, is the answer instead: a machine whose memory grows as it is used (the lent GPU machines start
+    far below their 128 GiB) shows a MemAvailable at start that is no guide (benchmarks/gpu/run.sh sets it)."""
+    given = os.environ.get(HOST_MEM_ENV, "").strip()
+    if given:
+        try:
+            value = parse_bytes(given)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise ValueError(f"{HOST_MEM_ENV}={given!r}: expected a positive size such as 120GiB")
+        return value
     avail = None
     try:
         with open("/proc/meminfo") as f:
@@ -309,6 +324,7 @@ class Trainer:
         # the process is held to the budget the plan was made for, less the reserve the plan keeps for what
         # the allocator never sees (CUDA context, library workspaces)
         self.device.limit_allocator(self.plan.gpu_budget_bytes - self.plan.hardware.reserved_bytes)
+        created = time.perf_counter()  # the time to the first step: the store's creation (runtime/host_init.py)
         if self.comm is None:
             self.store = HostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
                                    program=self.plan.program, device=self.device.kind, init=init)
@@ -321,9 +337,11 @@ class Trainer:
             self._check_same_data()
             from .sharded_store import ShardedHostStore
 
+            created = time.perf_counter()
             self.store = ShardedHostStore(self.plan.ir, train, seed=train.seed, policy=self.plan.host_policy,
                                           program=self.plan.program, comm=self.comm, device=self.device.kind,
                                           init=init)
+        self.time_to_first_step_s = time.perf_counter() - created
         self.store.check_finite = True
         self.store.stop_on_fault = self.on_nan == "abort"
         if self.checkpoint_dir is not None and self.checkpoint_every and self.rank == 0:
@@ -642,7 +660,9 @@ class Trainer:
         self._handle_faults(loss)
         rec = {"step": self.step, "loss": loss, "lr": lr_at(self.train, self.step - 1),
                "compute_time_s": computed, **self.device.memory_report(), **self.planned_memory(),
-               "predicted_step_time_s": self.plan.step_time_s, "_start": start, "_index": self.engine.step_index - 1}
+               "predicted_step_time_s": self.plan.step_time_s, "time_to_first_step_s": self.time_to_first_step_s,
+               "predicted_time_to_first_step_s": self.plan.time_to_first_step_s, "_start": start,
+               "_index": self.engine.step_index - 1}
         if eval_every and self.step % eval_every == 0:
             rec["val_loss"] = self.validation_loss()
         norm = self.engine.grad_norm()  # this step's, once its clip_grads has run (the host stream may lag)

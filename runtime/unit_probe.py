@@ -32,6 +32,7 @@ from megatrain.ir.model_ir import ModelIR, UnitIR
 from megatrain.ir.program import Program
 from megatrain.ir.trace import DTYPES
 from megatrain.models import packing, routing, run_unit
+from megatrain.planner.cast import device_stage_elems
 from megatrain.planner.hardware import Hardware
 from megatrain.planner.host_policy import resolve
 from megatrain.planner.profile import (
@@ -143,6 +144,7 @@ class ProbeEngine(Engine):
         self.graphs = 1 if device.kind != "sim" or not unit.saved_bytes else min(
             PASS_MAX, -(-PASS_BYTES // unit.saved_bytes))
         self.held: list[tuple[str, object]] = []  # graphs set aside: (pool name, value)
+        self.cast_stores: dict[str, HostStore] = {}  # probe_units: the unit at the other places of the cast
 
     def hold(self) -> None:
         """Set the unit's kept graph aside (alive, counted in the pool) for the next forward to make another."""
@@ -213,6 +215,9 @@ def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, obj
                 *free(f"side.{name}.0", dc, nxt)]  # the rebuilt carry-in stays for the next round
     ops += [("load_s", lambda: e.load_params(0, name, 0)),
             ("store_s", lambda: e.store_grads(0, name, 0, e.store.units[name].grad_buffer))]
+    slot = e.bufs["slot0"][: u.flat_numel]
+    for where, st in e.cast_stores.items():  # the load from each other place of the compute-dtype cast
+        ops.append((f"load:{where}", lambda st=st: st.load_params(name, slot, e.device)))
     if carry:
         ops += [("offload_s", lambda: e.offload_act(0, cin)), ("reload_s", lambda: e.load_act(0, cin))]
     for pol in policies:
@@ -221,6 +226,21 @@ def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, obj
         if clip:
             ops.append((f"optclip:{pol}", lambda s=e.stores[pol], st=st: _clipped_step(s, name, e, st)))
     return ops
+
+
+def _cast_stores(e: ProbeEngine, device: Device, train: TrainSpec, policy: str) -> dict[str, HostStore]:
+    """bf16: a store of the probed unit for each place of the compute-dtype cast besides the host (planner/cast.py),
+    its buffers as a run at that place holds them (pinned masters for gpu, the bf16 copy for copy), the gpu
+    one's device staging buffer bound; {} for fp32, which casts nothing."""
+    if e.ir.dtype == "float32":
+        return {}
+    out = {}
+    for where in ("gpu", "copy"):
+        program = Program(n_micro_batches=1, buffers=(), instrs=(), cast=where)
+        out[where] = HostStore(e.ir, train, policy=policy, device=device.kind, program=program)
+        if where == "gpu":
+            out[where].feed.bind(device.empty((device_stage_elems(e.ir),), torch.float32))
+    return out
 
 
 def _clipped_step(store: HostStore, name: str, e: ProbeEngine, st) -> None:
@@ -235,6 +255,8 @@ def _clipped_step(store: HostStore, name: str, e: ProbeEngine, st) -> None:
 def _run_op(e: ProbeEngine, what: str, submit) -> None:
     if what.startswith("opt"):  # the host stream runs the store's step, as optimizer_step does
         e.device.submit("host", e._timed("host", what, submit), what)
+    elif what.startswith("load:"):  # the h2d stream runs that place's store's load, as load_params does
+        e.device.submit("h2d", e._timed("h2d", what, submit), what)
     else:
         submit()
     e.device.synchronize()
@@ -362,6 +384,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
             e = ProbeEngine(ir, u, device, policies[0], train, loss_chunk)
             e.stores = {p: (e.store if p == policies[0] else HostStore(e.ir, train, policy=p, device=device.kind))
                         for p in policies}
+            e.cast_stores = _cast_stores(e, device, train, policies[0])
             e.put_carry()
             device.synchronize()
             engines.append(e)
@@ -391,7 +414,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
     finally:
         device.close()
         for e in locals().get("engines", []):
-            for s in getattr(e, "stores", {}).values():
+            for s in (*getattr(e, "stores", {}).values(), *getattr(e, "cast_stores", {}).values()):
                 s.close()
     units = {}
     for e, got in zip(engines, samples):
@@ -405,7 +428,8 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
             rebuild_backward_s=med.get("rebuild_backward_s"), forward_replay_s=med.get("forward_replay_s"),
             replay_backward_s=med.get("replay_backward_s"),
             norm_s=max(0.0, med["norm_backward"] - med["recompute_backward_s"]),
-            load_s=med["load_s"], store_s=med["store_s"], offload_s=med.get("offload_s", 0.0),
+            load_s=med["load_s"], load_cast_s={w: med[f"load:{w}"] for w in e.cast_stores},
+            store_s=med["store_s"], offload_s=med.get("offload_s", 0.0),
             reload_s=med.get("reload_s", 0.0),
             optimizer_s={p: med[f"opt:{p}"] for p in policies},
             optimizer_clip_s={p: med.get(f"optclip:{p}", med[f"opt:{p}"]) for p in policies})

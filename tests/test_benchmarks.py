@@ -61,3 +61,13 @@ def test_bench_recompute_checks_bits_and_times_both_ways(tmp_path, capsys):
     assert [r["case"] for r in rows] == ["untiled", "tiled 16"]
     assert all(r["full_s"] > 0 and r["unevaluated_s"] > 0 for r in rows)
     assert "| tiled 16 |" in capsys.readouterr().out
+
+
+def test_bench_cast_times_both_ways_per_thread_count(tmp_path, capsys):
+    out = tmp_path / "cast.json"
+    assert _bench("bench_cast").main(["--elements", "200000", "--rounds", "1", "--threads", "1,2",
+                                      "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["way"], r["threads"]) for r in rows} == {(w, k) for w in ("torch copy_", "C cast") for k in (1, 2)}
+    assert all(r["best_g_per_s"] >= r["median_g_per_s"] > 0 for r in rows)
+    assert "| 2 | C cast |" in capsys.readouterr().out

@@ -117,7 +117,11 @@ def test_labels_group_units_as_the_table(tiny_plan, monkeypatch):
 
 
 def test_80_units_get_a_handful_of_labels(ir70):
-    p = plan(ir70, "h100-sxm", TrainSpec(micro_batch=1, seq_len=8192), "80GiB")
+    # NOTE: the host cast priced as before it was measured (planner/cast.py), so that the plan stays the one
+    # whose period shows a backward: fed from a bf16 copy, the period ends before the backward starts
+    hw = hardware_preset("h100-sxm").replace(host_cast_elements_per_s={})
+    p = plan(ir70, hw, TrainSpec(micro_batch=1, seq_len=8192), "80GiB")
+    assert p.cast == "host"
     s = plan_series(p)
     texts = [lab.text for lab in s.labels]
     assert len(texts) <= 2 * len(unit_groups(p)) <= 2 * series_mod.MAX_LABELS

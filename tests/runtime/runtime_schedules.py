@@ -26,11 +26,13 @@ def placements_of(plans) -> set[str]:
 
 
 def plans_by_shape(config, train: TrainSpec, budgets_mib=(3, 4, 5, 5.25, 5.5, 5.75, 6, 7, 8, 10, 12, 16, 24, 64),
-                   target="cpu", packed=False, host_policy="auto", replay=True):
+                   target="cpu", packed=False, host_policy="auto", replay=True, chunk_tokens=None):
     """{(n_slots, placements used): plan} over a sweep of budgets, smallest budget first.
     target "cpu" for the sim device (it runs CPU kernels), "cuda" for a GPU; `packed` for packed batches;
-    `replay=False`: planned as the Trainer plans compiled units, none replaying attention."""
-    ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target=target, packed=packed)
+    `replay=False`: planned as the Trainer plans compiled units, none replaying attention; `chunk_tokens` tiles
+    the units."""
+    ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target=target, packed=packed,
+               chunk_tokens=chunk_tokens)
     ir = ir if replay else ir.without_replay()
     out = {}
     for b in budgets_mib:
@@ -85,3 +87,15 @@ def make_token_files(root, phrase="the quick brown fox jumps over the lazy dog. 
     for i in range(6):
         (docs / f"doc{i}.txt").write_text(phrase * 40 + str(i))
     return prepare([docs], root / "data", val_fraction=0.3)
+
+
+def with_place(p, where: str):
+    """Plan `p` with its compute-dtype cast forced to `where` (planner/cast.py: host, gpu or copy): the same
+    schedule, the program's cast and, for gpu, its device staging buffer, the sim budget grown by that buffer."""
+    from types import SimpleNamespace
+
+    from megatrain.planner.cast import device_stage_elems, with_cast
+
+    extra = 4 * device_stage_elems(p.ir) if where == "gpu" else 0
+    return SimpleNamespace(ir=p.ir, program=with_cast(p.program, p.ir, where), train=p.train,
+                           gpu_budget_bytes=p.gpu_budget_bytes + extra, host_policy=getattr(p, "host_policy", "exact"))

@@ -12,11 +12,12 @@ so the sums associate differently and agree to fp32 round-off instead of bit for
 
 import pytest
 import torch
-from runtime_schedules import make_batches, placements_of, plans_by_shape, streamed_train
+from runtime_schedules import make_batches, placements_of, plans_by_shape, streamed_train, with_place
 
 from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec
-from megatrain.runtime.reference import eager_train
+from megatrain.planner.timeline import peak_buffer_bytes
+from megatrain.runtime.reference import eager_train, mixed_train
 
 TINY = preset("tiny")
 
@@ -55,6 +56,45 @@ def test_streamed_equals_eager_across_schedules(grad_accum, clip):
     for p in plans.values():
         store, losses, _ = streamed_train(p, batches)
         _assert_same(store, losses, model, eager_losses)
+
+
+@pytest.mark.parametrize("where", ["host", "gpu", "copy"])
+@pytest.mark.parametrize("grad_accum, clip", [(1, None), (3, 1.0)])
+def test_streamed_equals_eager_at_bf16_wherever_the_cast_runs(where, grad_accum, clip):
+    """bf16 compute from fp32 masters, with the compute-dtype cast at each place of planner/cast.py (on the
+    host into the staging ring, on the device from fp32 that crossed, or a bf16 copy the optimizer writes),
+    over one- and two-slot schedules: every parameter equals mixed-precision eager training (fp32 masters,
+    AdamW fused, bf16 compute copy: reference.MixedEagerTrainer) bit for bit, and so does every loss. With
+    gpu the device pool's peak counts the staging buffer exactly."""
+    train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=grad_accum, dtype="bf16", lr=2e-3, warmup_steps=1,
+                      total_steps=3, weight_decay=0.1, clip_norm=clip)
+    batches = make_batches(TINY, train, steps=3)
+    model, eager_losses = mixed_train(TINY, batches, train)
+    plans = plans_by_shape(TINY, train, budgets_mib=(3, 5.5, 10))
+    assert {n for n, _ in plans} == {1, 2}, plans.keys()
+    for p in plans.values():
+        forced = with_place(p, where)
+        store, losses, peak = streamed_train(forced, batches)
+        assert store.feed.where == where  # not vacuous: the store fed the loads from that place
+        assert peak == peak_buffer_bytes(forced.program)
+        _assert_same(store, losses, model, eager_losses)
+        assert losses == eager_losses
+
+
+def test_every_cast_place_trains_a_tied_model_alike():
+    """A tied head loads its shared weight from the embedding's master (host, gpu) or the embedding's bf16
+    copy (copy): the three places give the same weights bit for bit."""
+    config = ModelConfig(**{**TINY.model_dump(), "n_layers": 2, "tie_embeddings": True})
+    train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="bf16", lr=2e-3, warmup_steps=1,
+                      total_steps=3, weight_decay=0.1, clip_norm=1.0)
+    batches = make_batches(config, train, steps=3)
+    p = next(iter(plans_by_shape(config, train, budgets_mib=(4,)).values()))
+    runs = {where: streamed_train(with_place(p, where), batches) for where in ("host", "gpu", "copy")}
+    masters = {where: store.named_master() for where, (store, _, _) in runs.items()}
+    for where in ("gpu", "copy"):
+        assert runs[where][1] == runs["host"][1], where
+        for name, t in masters["host"].items():
+            assert torch.equal(masters[where][name], t), (where, name)
 
 
 @pytest.mark.parametrize("variant", [{"tie_embeddings": True}, {"qkv_bias": True, "qk_norm": True, "n_kv_heads": 1}])

@@ -197,3 +197,4 @@ def test_megatrain_train_on_auto_picks_the_gpu(tmp_path):
                  "--micro-batch", "1", "--steps", "1", "--metrics", str(metrics)]) == 0
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert any("loss" in r for r in records)
+

@@ -394,3 +394,92 @@ def test_a_wrong_first_guess_of_the_tail_is_corrected_by_the_check(fresh_kernel,
     monkeypatch.setattr(host_kernel, "OTHER_LANES", (wrong,))
     assert not host_kernel.available()
     assert "bits differ" in host_kernel.why_not() and f"any of {wrong} lanes" in host_kernel.why_not()
+
+
+# -- the compute-dtype cast (runtime/cast_kernel.c): torch's .to(torch.bfloat16), bit for bit ------------------
+def _torch_bits(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.bfloat16).view(torch.int16)
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_the_cast_gives_torchs_bits_on_special_and_random_values():
+    """Zeros, infinities, NaNs of both signs and several payloads (torch writes every NaN as 0xFFFF, not c10's
+    scalar 0x7FC0), subnormals (not flushed), halfway cases, the largest finite (rounds to inf), and 2^22
+    random bit patterns; at every length around a vector and its tail, from unaligned destinations (the
+    streaming stores start at a 64-byte boundary), and split between threads."""
+    from megatrain.runtime import cast_kernel
+
+    assert cast_kernel.available(), cast_kernel.why_not()
+    special = cast_kernel.special_values()
+    assert torch.isnan(special).sum() == 8 and (special.view(torch.int32) & 0x7F800000 == 0).sum() > 8
+    gen = torch.Generator().manual_seed(7)
+    noise = torch.randint(-2**31, 2**31, (1 << 22,), dtype=torch.int64, generator=gen).to(torch.int32)
+    for x in [special, noise.view(torch.float32)] + [torch.cat([torch.randn(k, generator=gen), special])
+                                                      for k in range(0, 70)]:
+        for skip in (0, 1, 7, 33):  # the destination starts `skip` elements past a 64-byte boundary
+            out = torch.empty(x.numel() + skip, dtype=torch.bfloat16)[skip:]
+            cast_kernel.cast(x, out)
+            assert torch.equal(out.view(torch.int16), _torch_bits(x)), (x.numel(), skip)
+    big = torch.randn(3 * cast_kernel.MIN_PIECE + 123, generator=gen)
+    out = torch.empty(big.numel(), dtype=torch.bfloat16)
+    cast_kernel.cast(big, out, threads=3)  # pieces on the cast's own pool threads
+    assert torch.equal(out.view(torch.int16), _torch_bits(big))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_the_cast_gives_torchs_bits_on_every_fp32():
+    """All 2^32 fp32 bit patterns against torch's .to(torch.bfloat16) (about a minute on 2 cores)."""
+    from megatrain.runtime import cast_kernel
+
+    assert cast_kernel.available(), cast_kernel.why_not()
+    n = 1 << 24
+    out = torch.empty(n, dtype=torch.bfloat16)
+    for start in range(-2**31, 2**31, n):
+        x = torch.arange(start, start + n, dtype=torch.int32).view(torch.float32)
+        cast_kernel.cast(x, out)
+        assert torch.equal(out.view(torch.int16), _torch_bits(x)), hex(start & 0xFFFFFFFF)
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+def test_the_vector_cast_agrees_with_its_element_function():
+    """cast_kernel.c's AVX-512 loop against its scalar one on every 31st fp32 bit pattern (stride 1 in C is
+    every one: `vector_check(1)`)."""
+    from megatrain.runtime import cast_kernel
+
+    assert cast_kernel.available(), cast_kernel.why_not()
+    assert cast_kernel.vector_check(31) in (0, -1)
+
+
+@pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_a_step_writing_the_bf16_copy_gives_the_step_and_its_cast(policy):
+    """The "copy" place's optimizer step (mt_adamw_copy: each COPY_BLOCK updated, then cast while in cache)
+    updates the weights and moments as a step without the copy does, and the copy is the updated weights cast
+    to bf16 by torch; through the kernel and through torch ops, one and several threads."""
+    shapes = [(7,), (40000,), (3 * 32768 + 5,), (33, 31)]
+    for one_pass in (True, False):
+        gen, params, moments, steps = _state(policy, shapes, 5)
+        ref = [p.clone() for p in params]
+        ref_m = [new_moments(policy, s) for s in shapes]
+        ref_steps = [torch.zeros(()) for _ in shapes]
+        copies = [torch.full(s, float("nan"), dtype=torch.bfloat16) for s in shapes]
+        for _ in range(2):
+            grads = [torch.randn(s, generator=gen).to(grad_dtype(policy)) for s in shapes]
+            host_state._step(policy, params, grads, moments, steps, CFG, 3e-3, None, None, one_pass, copies)
+            host_state._step(policy, ref, grads, ref_m, ref_steps, CFG, 3e-3, None, None, one_pass)
+        _assert_same_bits(params, ref, f"{policy}, one pass {one_pass}: weights")
+        for c, p in zip(copies, params):
+            assert torch.equal(c.view(torch.int16), _torch_bits(p)), f"{policy}, one pass {one_pass}: copy"
+
+
+def test_the_cast_without_the_kernel_is_torchs_copy(fresh_kernel, monkeypatch):
+    """MEGATRAIN_HOST_KERNEL=0 turns the C cast off too: `cast` is then torch's copy_, the same bits."""
+    from megatrain.runtime import cast_kernel
+
+    monkeypatch.setenv("MEGATRAIN_HOST_KERNEL", "0")
+    assert not cast_kernel.available() and cast_kernel.why_not() == "MEGATRAIN_HOST_KERNEL=0"
+    x = torch.cat([torch.randn(1000), cast_kernel.special_values()])
+    out = torch.empty(x.numel(), dtype=torch.bfloat16)
+    cast_kernel.cast(x, out)
+    assert torch.equal(out.view(torch.int16), _torch_bits(x))
