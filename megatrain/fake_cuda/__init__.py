@@ -134,31 +134,24 @@ def _patch(torch, mode) -> None:
     cuda, st = torch.cuda, _state
     default = FakeStream(_agent=st.default)
 
-    def synchronize(device=None):
-        with st.lock:
-            snap = {}
-            for agent in (st.default, *_streams):
-                snap.update({k: max(v, snap.get(k, 0)) for k, v in agent.snapshot().items()})
-        st.synchronized(snap, "torch.cuda.synchronize")
-
-    _streams: list = []
+    streams: list = []  # every stream made, so synchronize() and current_stream() know them
 
     class Stream(FakeStream):
         def __init__(self, device=None, priority=0, **kw):
             super().__init__(device, priority, **kw)
-            _streams.append(self.agent)
+            streams.append(self)
+            _patch_host_kernels()
+
+    def synchronize(device=None):
+        with st.lock:
+            snap = {}
+            for agent in (st.default, *(s.agent for s in streams)):
+                snap.update({k: max(v, snap.get(k, 0)) for k, v in agent.snapshot().items()})
+        st.synchronized(snap, "torch.cuda.synchronize")
 
     def current_stream(device=None):
         agent = st.current()
-        return default if agent is st.default else next((s for s in _stream_objs if s.agent is agent), default)
-
-    _stream_objs: list = []
-
-    class TrackedStream(Stream):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            _stream_objs.append(self)
-            _patch_host_kernels()
+        return next((s for s in streams if s.agent is agent), default)
 
     def set_fraction(fraction, device=None):
         st.cap = None if fraction >= 1.0 else int(fraction * st.total_memory)
@@ -189,7 +182,7 @@ def _patch(torch, mode) -> None:
         "_lazy_init": lambda: None, "get_device_name": lambda device=None: DEVICE_NAME,
         "get_device_properties": lambda device=None: _props(st.total_memory),
         "get_device_capability": lambda device=None: (9, 0), "is_bf16_supported": lambda *a, **k: True,
-        "synchronize": synchronize, "Stream": TrackedStream, "Event": FakeEvent, "stream": stream_context,
+        "synchronize": synchronize, "Stream": Stream, "Event": FakeEvent, "stream": stream_context,
         "current_stream": current_stream, "default_stream": lambda device=None: default,
         "mem_get_info": lambda device=None: (st.total_memory - st.allocated, st.total_memory),
         "memory_allocated": lambda device=None: st.allocated, "max_memory_allocated": lambda device=None: st.peak,
@@ -210,7 +203,7 @@ def _patch(torch, mode) -> None:
     _set(cuda.memory, "_set_allocator_settings", st.allocator_settings.append)
     _set(torch, "Generator", generator_cls(torch._C.Generator))
     _set(varlen, "varlen_attn", varlen_attn)
-    _set(threading.Thread, "_bootstrap_inner", _with_mode(threading.Thread._bootstrap_inner, mode))
+    _set(threading.Thread, "_bootstrap_inner", _with_mode(threading.Thread._bootstrap_inner))
     import torch.autograd as autograd
 
     from .tensors import bypassing
@@ -278,7 +271,7 @@ class _NullContext:
         return False
 
 
-def _with_mode(bootstrap, mode):
+def _with_mode(bootstrap):
     """Every new thread runs inside the mode (torch function modes are per thread)."""
 
     def run(self):

@@ -177,9 +177,7 @@ def is_pinned_range(t: torch.Tensor) -> bool:
 # -- handlers of the calls that cross devices or synchronize ------------------------------------------------------
 def _to_device(t: torch.Tensor, dtype=None, non_blocking=False, copy=False):
     src = _plain(t)
-    out = src.to(dtype=dtype or src.dtype, copy=True)
-    if not non_blocking:
-        pass  # a blocking h2d copy returns once the data left the host: no wait on the device
+    out = src.to(dtype=dtype or src.dtype, copy=True)  # blocking or not, an h2d copy waits on nothing
     res = as_device(out)
     _record([t], [res], "h2d copy", True)
     return res
