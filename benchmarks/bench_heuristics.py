@@ -4,7 +4,7 @@
 Run: `.venv/bin/python benchmarks/bench_heuristics.py` (about 15 minutes on 2 shared cores; `--budgets
 56,80,120,300`, `--rounds`, `--steps`, `--model`, `--out FILE.json`). Model `small`, 4 micro-batches of 2 x 128
 tokens, fp32, AdamW with clipping, sim device. Per budget, three schedules run the same program machinery,
-differing only in the decisions the checkpoints pass makes (planner/passes.py):
+differing only in the decisions the checkpoints pass makes (megatrain/planner/passes.py):
 
 - `planner`: the planner's own (slots, gradient slots and per-unit checkpoint placement by its search);
 - `every-4th`: every 4th block's checkpoint stays on the device, the others go to host (the rule of reference

@@ -4,14 +4,14 @@ Run: `.venv/bin/python benchmarks/bench_host_optimizer.py` (about 3 minutes; `--
 `make bench`. Results: docs/RESULTS.md, "Host memory".
 
 For each policy a block-sized unit (two 12M-element matrices and a norm vector: 24M parameters, arrays 48x
-the 2 MiB of L2 a core has here) is stepped with runtime/host_state's step, clipped (a factor < 1, the
+the 2 MiB of L2 a core has here) is stepped with megatrain/runtime/host_state's step, clipped (a factor < 1, the
 path a clipped run takes every step it clips) and not, in interleaved rounds; the figure is the best round
 (as `megatrain probe` takes the best of its repeats: on a machine shared with other jobs the fastest round is
 the one least disturbed).
 - bytes/param: what the step reads and writes once per parameter (HostPolicy.traffic: master 8, gradient,
   both moments in their dtype), the traffic the planner prices;
 - GB/s = bytes/param x params / seconds; bound = the host memory bandwidth `megatrain probe --device cpu`
-  measures (planner/probe.py stream_bandwidth: the best streaming in-place update, read + write bytes/s),
+  measures (megatrain/planner/probe.py stream_bandwidth: the best streaming in-place update, read + write bytes/s),
   measured in this process at the start of every round; the target is GB/s >= 0.8 x bound. `of bound` divides
   the best round's step by the best round's bound; `of its round's bound` divides each round's step by the
   bound measured in the same round (a shared machine's bandwidth drifts between rounds: on the 2-vCPU EPYC
@@ -20,7 +20,7 @@ the one least disturbed).
   policy), with the rates `megatrain probe` writes (probe.policy_rates: each policy's step on 16M parameters,
   measured here in every round, the best); legacy is priced at the exact policy's rate. On a machine shared
   with other jobs, rates drift within minutes: every figure is sampled in every round, interleaved.
-Each policy runs twice where runtime/host_kernel.c is available: through it (the path the runtime takes)
+Each policy runs twice where megatrain/runtime/host_kernel.c is available: through it (the path the runtime takes)
 and as torch ops (`(torch ops)`, the fallback, same bits; its `predicted` is the kernel's price). `legacy` is
 the step before host policies: the clip norm re-read every gradient, the clip factor was its own
 pass, the NaN check summed every gradient, and a bf16 transfer copy was refreshed from the master: 28 B/param

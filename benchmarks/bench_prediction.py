@@ -19,7 +19,7 @@ its units are probed again (not cached) and the plan's own program is priced wit
 fresh-probe predicted per round. The plan, and the headline ratio, stay those of the first probe.
 
 NOTE: on the sim device the streams share the host's cores, so the measured step depends on what else the
-machine runs; the probe measures the same machine's slowdowns (planner/contention.py), not another's.
+machine runs; the probe measures the same machine's slowdowns (megatrain/planner/contention.py), not another's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A block's recompute + backward with the products its backward never reads left unevaluated, against the same
-work with every product computed (models/unevaluated.py), untiled and tiled, interleaved in one process.
+work with every product computed (megatrain/models/unevaluated.py), untiled and tiled, interleaved in one process.
 
 Run: `.venv/bin/python benchmarks/bench_recompute.py` (about a minute; `--model`, `--seq`, `--chunk`, `--rounds`,
 `--out FILE.json`). What is timed is what a streamed backward does for a unit without a kept graph: the

@@ -1,5 +1,5 @@
 """Attention replay at long context: the planner's schedule, whose recomputes replay the fused attention from
-records kept with the checkpoints (models/replay.py), against the same schedule without replay, measured.
+records kept with the checkpoints (megatrain/models/replay.py), against the same schedule without replay, measured.
 
 Run: `.venv/bin/python benchmarks/bench_replay.py` (about 10 minutes on 2 shared cores; `--model`, `--seq`,
 `--budget-factor`, `--rounds`, `--steps`, `--threads`, `--out FILE.json`). One micro-batch of 1 x seq tokens,

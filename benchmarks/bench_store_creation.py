@@ -1,4 +1,4 @@
-"""Store creation, the time to the first step: the host store created as before runtime/host_init.py (`before`:
+"""Store creation, the time to the first step: the host store created as before megatrain/runtime/host_init.py (`before`:
 UnitState zero-filled master, moments, scales, step counts and buffers with torch's zero_ on the calling thread
 and its intra-op threads, then the initial weights were drawn) and as now (`after`: every page touched on the
 creation pool, zero-filled only where zero is the initial value; `after-1`: the same on one thread), with the

@@ -13,7 +13,7 @@ step, fp32, AdamW (fused) with clipping at 1.0, trained four ways:
   the planner's schedule, units recomputed from checkpoints;
 - `streamed-1GiB`: megatrain with a budget that holds everything: the planner keeps the graphs (no recompute);
 - with `--full-recompute`, `streamed-56MiB-full`: the low budget again, its recomputes evaluating the blocks'
-  down projections too (as before models/unevaluated.py), to measure what leaving them unevaluated saves.
+  down projections too (as before megatrain/models/unevaluated.py), to measure what leaving them unevaluated saves.
 
 Step time is the steady period of back-to-back steps: for megatrain, the time between the final states (host
 optimizer done, `Engine.final_time`) of consecutive steps, so the optimizer's time counts; for transformers,
@@ -104,7 +104,7 @@ class Streamed:
 
 @contextlib.contextmanager
 def _full_recompute(on: bool):
-    """The backward's recompute evaluating every product (as before models/unevaluated.py), for comparison."""
+    """The backward's recompute evaluating every product (as before megatrain/models/unevaluated.py), for comparison."""
     if not on:
         yield
         return
@@ -122,9 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budgets", default="56,1024", help="the two streamed budgets in MiB: below the model's "
                     "weights, and one that holds everything (default 56,1024)")
     ap.add_argument("--compile-units", action="store_true", help="also run both streamed ways with the units "
-                    "through torch.compile (runtime/compiled.py); the warm-up round compiles")
+                    "through torch.compile (megatrain/runtime/compiled.py); the warm-up round compiles")
     ap.add_argument("--full-recompute", action="store_true", help="also run the low budget with recomputes that "
-                    "evaluate every product (the down projection included, as before models/unevaluated.py)")
+                    "evaluate every product (the down projection included, as before megatrain/models/unevaluated.py)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds after a warm-up round")
     ap.add_argument("--steps", type=int, default=3, help="steps of each way per round (one more is dropped)")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the main thread and the sim "

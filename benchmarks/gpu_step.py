@@ -9,7 +9,7 @@ default is run.sh's: llama3-8b at 8192 tokens (the headline), then qwen2.5-14b a
 Host memory is the profile's (preflight.py: the kind's documented size less a headroom) or --host-mem, never
 this machine's MemAvailable: the lent machines start with far less memory than they give as it is used, so a
 plan for MemAvailable would be refused or squeezed into a compact host policy. The Trainer's own check is held
-to the same figure (runtime/trainer.py HOST_MEM_ENV). The host-policy pass then picks the most exact host state
+to the same figure (megatrain/runtime/trainer.py HOST_MEM_ENV). The host-policy pass then picks the most exact host state
 that fits (qwen2.5-14b's exact state does not fit 120 GiB; a compressed one does); a case that fits under no
 policy is a row saying why.
 One JSON line per case, appended to --out as soon as it is made: measured and predicted step time, tokens/s,
@@ -161,7 +161,7 @@ def run_case(case: str, args) -> dict:
                 "mfu": flops / step_s / peak_flops if peak_flops else None,
                 **t.device.memory_report(), **t.planned_memory(),
                 "host_rss_bytes": _rss_bytes(), "cpu": t.device.cpu.describe(),
-                "host_optimizer": host_kernel.why_not() or "one pass (runtime/host_kernel.c)",
+                "host_optimizer": host_kernel.why_not() or "one pass (megatrain/runtime/host_kernel.c)",
                 "busy_share": busy_shares(t.engine.measured_spans(), sum(times)),
                 "time_ratio_measured_over_predicted": step_s / p.step_time_s}
     finally:

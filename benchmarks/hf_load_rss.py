@@ -3,7 +3,7 @@
 Where it sits: a measurement for docs/RESULTS.md (issue 12), not a test. It writes a random ~1B-parameter
 Llama-family folder (bf16 safetensors, sharded as transformers shards) tensor by tensor, so the writer never
 holds the model; then a fresh process allocates the host store for it and loads the weights as the Trainer
-does (runtime/hf_load.py), and reports its peak RSS (VmHWM) beside the store's bytes and the largest tensor.
+does (megatrain/runtime/hf_load.py), and reports its peak RSS (VmHWM) beside the store's bytes and the largest tensor.
 The target: peak <= baseline (interpreter + torch) + store + largest tensor + 10%.
 Run it: `.venv/bin/python benchmarks/hf_load_rss.py --model 1b --out hf-1b` (about 18 GiB of RAM for
 the 1b preset in fp32: 16 B/param of store).

@@ -3,12 +3,12 @@
 Run: `.venv/bin/python benchmarks/quality_host_policy.py --json runs.json` (48 runs, about 65 CPU-minutes;
 split between processes with `--first-seed`/`--seeds`/`--threads 1` and joined with `--table a.json b.json`;
 `--steps`, `--seeds`, `--policies` shrink it). Results: docs/RESULTS.md, "Host memory"; the measured costs are
-planner/host_policy.py's `quality_cost`, which `--host-policy auto` reads.
+megatrain/planner/host_policy.py's `quality_cost`, which `--host-policy auto` reads.
 
 Decision rule, fixed before the runs: a policy's quality cost is the mean over the seeds of
 (validation loss under it - validation loss under exact) / (validation loss under exact), each seed paired
 with exact on the same init and the same tokens in the same order; auto may choose it only when that cost is
-at most planner/host_policy.QUALITY_TOLERANCE (0.5%). A policy that measures better than exact gets cost 0 in
+at most megatrain/planner/host_policy.QUALITY_TOLERANCE (0.5%). A policy that measures better than exact gets cost 0 in
 the table's verdict but its signed figure is reported (and used).
 
 Seeds: 12 (0-11) since 2026-12-03, 3 before. The noise control below showed one seed's paired difference

@@ -28,7 +28,7 @@ def train_run(config: ModelConfig, seed: int, steps: int, data, host_policy: str
               lr_scale: float = 1.0) -> tuple[dict, list[dict]]:
     """(summary, the last tenth of the step records). The summary: validation loss, mean train loss over the
     last tenth, median tokens/s (the first step excluded), parameters and wall seconds. `host_policy`: how the
-    host holds AdamW state (planner/host_policy.py); `lr_scale` multiplies the learning rate."""
+    host holds AdamW state (megatrain/planner/host_policy.py); `lr_scale` multiplies the learning rate."""
     t0 = time.perf_counter()
     spec = train_spec(steps, seed)
     with Trainer(config, spec.replace(lr=spec.lr * lr_scale), BUDGET, data=data[0], val_data=data[1],

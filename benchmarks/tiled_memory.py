@@ -3,7 +3,7 @@
 Run: `.venv/bin/python benchmarks/tiled_memory.py --model CONFIG --seq-len 32768 --chunk 4096 [--dtype fp32]`.
 Each variant runs in its own process on real CPU tensors: a block's no-grad forward, then its forward with
 autograd and backward (as the engine's forward and backward instructions run it), with the tracer's
-allocation tracker (ir/scaled.LiveBytes, program buffers excluded as the planner counts them) and the process's
+allocation tracker (megatrain/ir/scaled.LiveBytes, program buffers excluded as the planner counts them) and the process's
 peak RSS growth over its inputs. It prints both next to the meta trace's figures (a scaled trace for long
 sequences): the workspace the plan adds to its buffers.
 """

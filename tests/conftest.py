@@ -12,7 +12,7 @@ def _deterministic():
 
 @pytest.fixture(autouse=True)
 def _unevaluated_products_are_nan(monkeypatch):
-    """A product a recompute leaves unevaluated (models/unevaluated.py) holds NaN in every test, not memory the
+    """A product a recompute leaves unevaluated (megatrain/models/unevaluated.py) holds NaN in every test, not memory the
     allocator hands back (which may hold the very values a previous identical product left): any gradient
     that read one would come out NaN, so every streamed-equals-eager test checks that none is read."""
     from megatrain.models import unevaluated

@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -46,7 +45,7 @@ def test_the_device_script_installs_from_the_tree_and_reports_no_gpu(tmp_path):
     r = subprocess.run(["bash", str(ROOT / "benchmarks/gpu/run.sh")], env=env, capture_output=True, text=True,
                        cwd=tmp_path)
     assert r.returncode == 2, r.stdout + r.stderr
-    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    packages = list((ROOT / "megatrain").rglob("__init__.py"))
     assert f"{len(packages)} packages linked into" in r.stdout and "no GPU visible" in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     status = {s["name"]: s["status"] for s in summary["stages"]}

@@ -1,10 +1,8 @@
 """Install megatrain from this tree with no network (benchmarks/gpu/run.sh's first stage).
 
 Usage: python benchmarks/gpu/install_offline.py --site DIR [--tests] [--peers]
-The project is laid into DIR as the package pyproject.toml describes (its `package-dir` map: megatrain/ with
-ir/, models/, planner/, ... as its subpackages), by symbolic links to the tree, so nothing is built and no pip
-is needed; put DIR on PYTHONPATH and run Python with -P (the tree's own megatrain/ folder, in the working
-directory, holds only the top package). Dependencies come from the interpreter (an image with torch has most)
+The project's one package, megatrain/ (laid out as imported), is linked into DIR, so nothing is built and no
+pip is needed; put DIR on PYTHONPATH and run Python with -P. Dependencies come from the interpreter (an image with torch has most)
 or, for those it lacks, from benchmarks/gpu/bundle/ (`make gpu-bundle` fills it where a registry is reachable;
 the device call must carry it: it is git-ignored, so the copy of the tree leaves it out) with `pip install
 --no-index --no-deps --target DIR`. Exit status 0 when everything imports, 3 with one line per missing
@@ -19,7 +17,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
@@ -33,23 +30,12 @@ PEERS = {"deepspeed": "deepspeed"}  # the benchmark's peer; FSDP2 is in torch
 
 
 def lay_out(site: Path, root: Path = ROOT) -> list[str]:
-    """Link the tree's packages into `site` as pyproject.toml's package-dir maps them; the package names."""
-    tool = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]
+    """Link the tree's package (megatrain/, laid out as imported) into `site`; its package names."""
     site.mkdir(parents=True, exist_ok=True)
-    for name in tool["packages"]:
-        if name not in tool["package-dir"]:  # a subpackage (models.depth, codegen.templates): in its parent's link
-            continue
-        src = root / tool["package-dir"][name]
-        dst = site.joinpath(*name.split("."))
-        if name == "megatrain":  # the top package: its files and own folders (fake_cuda/), the mapped ones beside
-            dst.mkdir(parents=True, exist_ok=True)
-            for f in src.iterdir():
-                own = f.is_dir() and (f / "__init__.py").exists()
-                if (f.suffix == ".py" or own) and not (dst / f.name).exists():
-                    (dst / f.name).symlink_to(f, target_is_directory=own)
-        elif not dst.exists():
-            dst.symlink_to(src, target_is_directory=True)
-    return tool["packages"]
+    dst = site / "megatrain"
+    if not dst.exists():
+        dst.symlink_to(root / "megatrain", target_is_directory=True)
+    return sorted(".".join(p.relative_to(root).parts[:-1]) for p in (root / "megatrain").rglob("__init__.py"))
 
 
 def _pip_install(site: Path, peers: bool, bundle: Path | None = None) -> None:

@@ -2,7 +2,7 @@
 measured on this machine, written as the hardware profile every case then plans with (`--hardware FILE`).
 
 Usage: python -P benchmarks/gpu/preflight.py --profile hw.json --json preflight.json [--host-mem SIZE] [--quick]
-Measured, each the best of a few runs (planner/probe.py's helpers where the tree has them, so the figures
+Measured, each the best of a few runs (megatrain/planner/probe.py's helpers where the tree has them, so the figures
 mean what the planner means by them; a field this tree's profile lacks stays in preflight.json alone):
 - bf16 matmul FLOP/s (8192^3 on the GPU)                            -> matmul_flops.bfloat16
 - pinned host->device and device->host bytes/s (512 MiB)            -> h2d_bytes_per_s, d2h_bytes_per_s
@@ -67,13 +67,13 @@ def first_touch(nbytes: int) -> float:
 
 def cast_rates(n: int, repeats: int, max_threads: int) -> tuple[dict[str, float], str]:
     """fp32 -> bf16 elements/s of `n` elements per thread count (1, 2, 4, ... up to the cores), and which cast
-    was timed: the runtime's (runtime/cast_kernel.py's C loop split across threads) where the tree has it, else
+    was timed: the runtime's (megatrain/runtime/cast_kernel.py's C loop split across threads) where the tree has it, else
     torch's copy_, which is what the runtime runs then."""
     counts = sorted({1 << i for i in range(8) if (1 << i) <= max_threads} | {max_threads})
     try:
         from megatrain.runtime import cast_kernel
 
-        how = "runtime/cast_kernel.py" + ("" if cast_kernel.available() else f" ({cast_kernel.why_not()})")
+        how = "megatrain/runtime/cast_kernel.py" + ("" if cast_kernel.available() else f" ({cast_kernel.why_not()})")
         fn = cast_kernel.cast
     except ImportError:
         how, fn = "torch copy_", (lambda src, dst, threads: dst.copy_(src))

@@ -1,4 +1,4 @@
-"""Scaled tracing (ir/scaled.py): a template traced at a short sequence and scaled to a long one gives exactly
+"""Scaled tracing (megatrain/ir/scaled.py): a template traced at a short sequence and scaled to a long one gives exactly
 the bytes and FLOPs of a trace at the long one, untiled and tiled, for dense models and depth mixings; the
 graph size, the one extrapolated figure (dispatched ops rather than make_fx nodes), stays close."""
 

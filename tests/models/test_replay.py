@@ -1,4 +1,4 @@
-"""Attention replay (models/replay.py): a recompute that takes the fused attention's outputs from its forward
+"""Attention replay (megatrain/models/replay.py): a recompute that takes the fused attention's outputs from its forward
 computes the same gradients, bit for bit, and runs no attention; what it records is what the trace says
 (UnitIR.replay, peak_bwd_replay_bytes); a recompute that does not match its record is refused."""
 
@@ -100,7 +100,7 @@ def test_replayed_backward_allocates_what_the_trace_says():
 
 
 def test_scaled_trace_prices_replay_exactly():
-    """A long sequence traced short and scaled (ir/scaled.py) gives the same record shapes and replayed
+    """A long sequence traced short and scaled (megatrain/ir/scaled.py) gives the same record shapes and replayed
     backward peak as tracing it at its length."""
     config = ModelConfig(**{**TINY.model_dump(), "max_seq_len": 16384})
     direct = trace(config, 1, 9216, "bfloat16", scaled=False, chunk_options=False, chunk_tokens=1024)

@@ -1,4 +1,4 @@
-"""Sequence tiling (models/tiled.py): a tiled unit computes what the untiled one does.
+"""Sequence tiling (megatrain/models/tiled.py): a tiled unit computes what the untiled one does.
 
 Chunked equals unchunked for the whole eager model's loss and every parameter gradient: in fp64 to 1e-12
 (the same math), in fp32 to round-off (the weight-gradient sums over chunks associate differently; the loss,

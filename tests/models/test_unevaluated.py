@@ -1,4 +1,4 @@
-"""A block's recompute leaves its last matmul unevaluated (models/unevaluated.py): the gradients are the same
+"""A block's recompute leaves its last matmul unevaluated (megatrain/models/unevaluated.py): the gradients are the same
 bits as a full forward's, the FLOPs drop by exactly the down projection's, and the trace prices and counts
 what runs; blocks whose sub-layer outputs are read (depth mixing, MoE) recompute in full. Unevaluated
 products hold NaN in tests (tests/conftest.py), so a gradient that read one would show it."""

@@ -62,10 +62,10 @@ def drawn_program(ir: ModelIR, data) -> Program:
 
 
 def independent_timeline(program: Program, kinds=None) -> tuple[list[int], list[int]]:
-    """(buffers + workspace, buffers) per compute-stream instruction, straight from ir/README.md's rule:
+    """(buffers + workspace, buffers) per compute-stream instruction, straight from megatrain/ir/README.md's rule:
     static buffers live all step; a dynamic buffer starts at `alloc` or its first compute writer and
     ends at `free`. With `kinds`, only buffers of those kinds count. Written separately from
-    planner/timeline.py on purpose."""
+    megatrain/planner/timeline.py on purpose."""
     size = {b.name: b.nbytes if kinds is None or b.kind in kinds else 0 for b in program.buffers}
     static = sum(size[b.name] for b in program.buffers if b.static)
     alive: dict[str, int] = {}

@@ -1,4 +1,4 @@
-"""The `cast` pass (planner/cast.py): where the compute-dtype cast feeding the loads runs, priced from the
+"""The `cast` pass (megatrain/planner/cast.py): where the compute-dtype cast feeding the loads runs, priced from the
 profile's cast rates, within the host and GPU budgets, and the plan that says so."""
 
 import json

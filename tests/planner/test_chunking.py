@@ -1,4 +1,4 @@
-"""The `chunks` pass (planner/chunking.py): tile only what needs it, pick the size by predicted time under the
+"""The `chunks` pass (megatrain/planner/chunking.py): tile only what needs it, pick the size by predicted time under the
 budget, and name the smallest workable budget with tiling considered when nothing fits."""
 
 import pytest

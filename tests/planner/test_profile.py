@@ -1,4 +1,4 @@
-"""Measured unit profiles (planner/profile.py): the cache keeps one per key and ignores a corrupt or
+"""Measured unit profiles (megatrain/planner/profile.py): the cache keeps one per key and ignores a corrupt or
 mismatched file; the cost model prices every op of a covered unit from the profile; the estimator's event
 latency and step gap agree between the DAG and the linear pass; contention only ever stretches a step."""
 

@@ -34,7 +34,7 @@ def test_llama3_70b_on_h100_fits_and_respects_physics(ir70):
     assert {k for k, us in users.items() if not set(us) & set(waiting)}  # the others step from the ring
     sizes = {u.name: 4 * u.flat_numel for u in ir70.units}
     assert hb["grads"] == sum(max(sizes[u] for u in us) for us in users.values())
-    # the compute-dtype cast (planner/cast.py): with the host optimizer the bottleneck, the link fed from a bf16
+    # the compute-dtype cast (megatrain/planner/cast.py): with the host optimizer the bottleneck, the link fed from a bf16
     # copy the optimizer writes (2 B/param) beats a host cast into the staging ring (2 x 16M bf16)
     assert p.cast == "copy" and p.cast_step_s["copy"] < p.cast_step_s["host"]
     assert hb["transfer_copy"] == 2 * params and hb["transfer_staging"] == 0

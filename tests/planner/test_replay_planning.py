@@ -1,4 +1,4 @@
-"""The planner and attention replay (models/replay.py): at long context the search keeps attention records
+"""The planner and attention replay (megatrain/models/replay.py): at long context the search keeps attention records
 with the checkpoints and the predicted step falls by about the recomputes' attention; the lowering refuses a
 replay the runtime cannot do; host memory counts the records; compiled units plan without it."""
 

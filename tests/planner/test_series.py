@@ -1,4 +1,4 @@
-"""planner/series.py: the numbers the plan and tune pictures draw come from the plan itself.
+"""megatrain/planner/series.py: the numbers the plan and tune pictures draw come from the plan itself.
 
 Memory by kind adds up to the plan's timeline at every compute-stream instruction (and matches an
 independent walk per kind); the lanes of one steady-state period hold exactly one step of each stream's
@@ -19,7 +19,7 @@ from megatrain.planner.timeline import program_timeline
 
 LANE_BUSY = {"compute": "compute", "h2d": "h2d", "d2h": "d2h", "host": "host_optimizer"}
 KINDS = {"param_slot": {"param_slot"}, "grad_slot": {"grad_slot"}, "static": {"resident", "batch", "loss"},
-         "checkpoint": {"carry", "saved", "attention"}, "grad_carry": {"grad_carry"}}  # ir/program.py's kinds, by band
+         "checkpoint": {"carry", "saved", "attention"}, "grad_carry": {"grad_carry"}}  # megatrain/ir/program.py's kinds, by band
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def _assert_layers_are_the_timeline(p):
     assert p.peak_at.startswith(f"{m.index[s.peak]}:")
     assert set(BUFFER_LAYERS) == set(KINDS)
     assert {b.kind for b in p.program.buffers} <= set().union(*KINDS.values())
-    for layer, kinds in KINDS.items():  # each band against a walk written apart from planner/timeline.py
+    for layer, kinds in KINDS.items():  # each band against a walk written apart from megatrain/planner/timeline.py
         assert list(m.layers[layer]) == independent_timeline(p.program, kinds)[1], layer
     return s
 
@@ -117,7 +117,7 @@ def test_labels_group_units_as_the_table(tiny_plan, monkeypatch):
 
 
 def test_80_units_get_a_handful_of_labels(ir70):
-    # NOTE: the host cast priced as before it was measured (planner/cast.py), so that the plan stays the one
+    # NOTE: the host cast priced as before it was measured (megatrain/planner/cast.py), so that the plan stays the one
     # whose period shows a backward: fed from a bf16 copy, the period ends before the backward starts
     hw = hardware_preset("h100-sxm").replace(host_cast_elements_per_s={})
     p = plan(ir70, hw, TrainSpec(micro_batch=1, seq_len=8192), "80GiB")

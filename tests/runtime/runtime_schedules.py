@@ -62,7 +62,7 @@ def make_batches(config, train: TrainSpec, steps: int, seed: int = 0):
 def streamed_train(p, batches, delays=None, budget=None, seed=0, kind="sim", compile_units=False):
     """Run the compiled plan on a device (sim by default); returns (store, losses, pool peak). `delays`: on
     sim (lo, hi) seconds per op, on cuda (lo, hi) GPU cycles slept before each GPU stream op; `compile_units`:
-    the units through torch.compile (runtime/compiled.py)."""
+    the units through torch.compile (megatrain/runtime/compiled.py)."""
     step = load(emit(p)).step
     budget = budget if budget is not None else p.gpu_budget_bytes
     if kind == "sim":
@@ -90,7 +90,7 @@ def make_token_files(root, phrase="the quick brown fox jumps over the lazy dog. 
 
 
 def with_place(p, where: str):
-    """Plan `p` with its compute-dtype cast forced to `where` (planner/cast.py: host, gpu or copy): the same
+    """Plan `p` with its compute-dtype cast forced to `where` (megatrain/planner/cast.py: host, gpu or copy): the same
     schedule, the program's cast and, for gpu, its device staging buffer, the sim budget grown by that buffer."""
     from types import SimpleNamespace
 

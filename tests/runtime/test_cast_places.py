@@ -1,4 +1,4 @@
-"""The compute-dtype cast at run time (runtime/cast.py): each place of planner/cast.py feeds the slot the
+"""The compute-dtype cast at run time (megatrain/runtime/cast.py): each place of megatrain/planner/cast.py feeds the slot the
 master's bf16 bits, allocates exactly the host bytes the plan counts, and keeps its bf16 copy current.
 Training at each place equals eager mixed precision bit for bit: tests/runtime/test_exactness.py."""
 

@@ -1,4 +1,4 @@
-"""Units through torch.compile (runtime/compiled.py, `train --compile-units`): streamed training with compiled
+"""Units through torch.compile (megatrain/runtime/compiled.py, `train --compile-units`): streamed training with compiled
 units equals eager PyTorch to fp32 round-off (losses to 1e-5; weights after AdamW steps within 1e-6 but for
 under 1% of elements, where a near-zero gradient's round-off can flip an update's sign), with graphs
 recomputed and kept; calls with a depth-mixing mode and MoE models run eagerly."""

@@ -7,7 +7,7 @@ Why some comparisons are bit-exact: with one micro-batch per rank and no clippin
 a sum of the same R terms (R <= 2: a + b == b + a exactly) and AdamW is elementwise, so 2-rank training is
 bit-identical to eager training; the tests assert that. With more micro-batches per rank the sums associate
 differently (each rank's partial sum first), and with clipping the global norm adds slices' squares in
-another order (runtime/sharded_store.py), so those agree to fp32 round-off. Under AdamW that is not an
+another order (megatrain/runtime/sharded_store.py), so those agree to fp32 round-off. Under AdamW that is not an
 elementwise 1e-6: an element whose gradient is a sum that nearly cancels is divided by its own (round-off
 dominated) magnitude, so reordering the same sums moves it by up to a fraction of one step's update. Eager
 training against itself with the micro-batches of each step reversed (the 3-layer tiny model, 3 steps, lr

@@ -61,7 +61,7 @@ def test_streamed_equals_eager_across_schedules(grad_accum, clip):
 @pytest.mark.parametrize("where", ["host", "gpu", "copy"])
 @pytest.mark.parametrize("grad_accum, clip", [(1, None), (3, 1.0)])
 def test_streamed_equals_eager_at_bf16_wherever_the_cast_runs(where, grad_accum, clip):
-    """bf16 compute from fp32 masters, with the compute-dtype cast at each place of planner/cast.py (on the
+    """bf16 compute from fp32 masters, with the compute-dtype cast at each place of megatrain/planner/cast.py (on the
     host into the staging ring, on the device from fp32 that crossed, or a bf16 copy the optimizer writes),
     over one- and two-slot schedules: every parameter equals mixed-precision eager training (fp32 masters,
     AdamW fused, bf16 compute copy: reference.MixedEagerTrainer) bit for bit, and so does every loss. With
@@ -201,7 +201,7 @@ def test_one_slot_reload_schedules(placement):
 
 def test_recomputes_leave_the_down_projection_unevaluated(monkeypatch):
     """Guard against a vacuous pass: in a schedule that recomputes, every recomputed block's backward ran
-    its down projection unevaluated (models/unevaluated.py), and the run still equals eager bit for bit."""
+    its down projection unevaluated (megatrain/models/unevaluated.py), and the run still equals eager bit for bit."""
     from megatrain.models import transformer
 
     entered = []
@@ -233,7 +233,7 @@ def test_recomputes_leave_the_down_projection_unevaluated(monkeypatch):
 ])
 def test_attention_replay_schedules(variant, chunk, monkeypatch):
     """Forced schedules whose blocks replay their fused attention in the backward's recompute
-    (models/replay.py): records kept on device and offloaded with host checkpoints, next to a kept graph,
+    (megatrain/models/replay.py): records kept on device and offloaded with host checkpoints, next to a kept graph,
     with one slot (every block reloaded). The run equals eager bit for bit, every replaying backward
     replayed (and ran no attention of its own), and the pool's peak equals the plan's (bounds it, MoE)."""
     from types import SimpleNamespace

@@ -99,7 +99,7 @@ def test_the_allocator_cap_raises_out_of_memory():
 
 
 def test_the_eager_reference_builds_its_rope_tables_on_the_device():
-    """runtime/reference.py's loss made its RoPE tables on the host: on a GPU, apply_rope met CPU tables."""
+    """megatrain/runtime/reference.py's loss made its RoPE tables on the host: on a GPU, apply_rope met CPU tables."""
     from megatrain.runtime.reference import EagerTrainer
 
     train = TrainSpec(micro_batch=1, seq_len=16, dtype="fp32", total_steps=1)
@@ -123,7 +123,7 @@ def test_a_streamed_step_synchronizes_only_where_its_program_says(config):
         state.syncs.clear()
         before = state.registered_bytes
         store, losses, _ = streamed_train(p, batches, kind="cuda")
-        # NOTE: a routed layer reads its experts' row counts (models/routing.py read_counts, its one named
+        # NOTE: a routed layer reads its experts' row counts (megatrain/models/routing.py read_counts, its one named
         # device read: the per-expert matmuls' split sizes); nothing else may wait on the GPU implicitly
         implicit = [(k, where) for k, where in state.syncs if k.startswith("implicit") and "read_counts" not in where]
         assert not implicit, implicit[:5]

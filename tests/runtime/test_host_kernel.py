@@ -1,4 +1,4 @@
-"""The one-pass host optimizer (runtime/host_kernel.c): the same bits as the torch-op path for every policy,
+"""The one-pass host optimizer (megatrain/runtime/host_kernel.c): the same bits as the torch-op path for every policy,
 whatever the tensor sizes, clip factor, thread split and value range; a machine where it cannot be built or
 its bits differ falls back to the torch path and says why.
 
@@ -396,7 +396,7 @@ def test_a_wrong_first_guess_of_the_tail_is_corrected_by_the_check(fresh_kernel,
     assert "bits differ" in host_kernel.why_not() and f"any of {wrong} lanes" in host_kernel.why_not()
 
 
-# -- the compute-dtype cast (runtime/cast_kernel.c): torch's .to(torch.bfloat16), bit for bit ------------------
+# -- the compute-dtype cast (megatrain/runtime/cast_kernel.c): torch's .to(torch.bfloat16), bit for bit ------------------
 def _torch_bits(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).view(torch.int16)
 

@@ -1,6 +1,6 @@
 """Host policies at run time: streamed training under each policy equals eager training under it bit for bit,
 the host bytes allocated equal the plan's, and the pieces (fp8 blocks, the clip factor) do what
-runtime/host_state.py says.
+megatrain/runtime/host_state.py says.
 
 The streamed side is the host store on the sim device; the eager side is reference.PolicyAdamW, the same
 host_state.adamw_step on the eager model's parameters. `exact` against torch.optim.AdamW is

@@ -3,7 +3,7 @@
 As in test_exactness.py: moe-tiny cut to 3 layers (a dense block, two MoE blocks) in fp32 with gradient
 accumulation, over plans with one and two parameter slots and checkpoints on device, on host and kept. After
 3 optimizer steps every parameter and every routing buffer (ET thresholds and update counts, DeepSeek
-biases) is bit-identical to build_eager + AdamW (runtime/reference.py) on the same batches, and so are the
+biases) is bit-identical to build_eager + AdamW (megatrain/runtime/reference.py) on the same batches, and so are the
 losses: the buffers are updated once per step from the first forwards' statistics, never from a backward's
 recompute. ET thresholds from step 2 on (one warmup step) with a capacity factor low enough that drops and
 pads happen; token choice runs with the Switch aux loss (softmax gate, top-2) and with bias balancing; expert

@@ -1,4 +1,4 @@
-"""`megatrain report` (runtime/report.py): tolerant reading of metrics files, labels, the text summary."""
+"""`megatrain report` (megatrain/runtime/report.py): tolerant reading of metrics files, labels, the text summary."""
 
 import json
 

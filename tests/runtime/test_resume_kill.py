@@ -5,7 +5,7 @@ units have (so the weights in memory are half updated); another is killed while 
 its first file. Each resumes (`--resume DIR`) from the last complete checkpoint and ends with a step-6
 checkpoint whose every tensor, and so every file's sha256, equals an uninterrupted run's.
 
-The kill points come from the trainer's test hook MEGATRAIN_TEST_PAUSE_AT (runtime/trainer.py): the process
+The kill points come from the trainer's test hook MEGATRAIN_TEST_PAUSE_AT (megatrain/runtime/trainer.py): the process
 prints `megatrain-test: paused at ...` and sleeps there until this test kills it. The two scenarios run side
 by side with the uninterrupted run (each process mostly imports and traces) to keep the test near 25 s
 on 2 cores.

@@ -1,4 +1,4 @@
-"""Checkpoint copies through bounded pinned staging (runtime/staging.py) and their price (planner/transfers.py)."""
+"""Checkpoint copies through bounded pinned staging (megatrain/runtime/staging.py) and their price (megatrain/planner/transfers.py)."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """A step's time runs until its state is final: the host optimizer is inside `step_time_s`, and the records of
-back-to-back steps add up to no more than the run's wall time (runtime/trainer.py `_final`)."""
+back-to-back steps add up to no more than the run's wall time (megatrain/runtime/trainer.py `_final`)."""
 
 import time
 

@@ -1,4 +1,4 @@
-"""Store creation (runtime/host_init.py): nothing zero-filled that is written next, zero where zero is the initial
+"""Store creation (megatrain/runtime/host_init.py): nothing zero-filled that is written next, zero where zero is the initial
 value, the pages touched on several threads when the CPU budget has them, the initial weights unchanged bit for
 bit, and the time to the first step predicted by the plan and measured by the Trainer."""
 

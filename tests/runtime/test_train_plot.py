@@ -1,4 +1,4 @@
-"""`megatrain train --plot`: the measured step (runtime/timeline.measured_series) drawn beside the plan, and
+"""`megatrain train --plot`: the measured step (megatrain/runtime/timeline.measured_series) drawn beside the plan, and
 a bad --plot refused before training starts."""
 
 import sys

@@ -1,4 +1,4 @@
-"""The unit probe (runtime/unit_probe.py): it measures every template's ops through the engine on the sim
+"""The unit probe (megatrain/runtime/unit_probe.py): it measures every template's ops through the engine on the sim
 device, caches the profile under its key, and a Trainer with profile="auto" plans with it; the CLI's
 `probe --model` prints it and then reads it back from the cache. No timing is asserted, only that every
 figure is measured (positive where an op does work) and used."""
