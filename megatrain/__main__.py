@@ -1,4 +1,4 @@
-"""`python -m megatrain ...` (and `torchrun ... -m megatrain train ...`): the command line (megatrain/cli.py)."""
+"""`python -m megatrain ...` (and `torchrun ... -m megatrain train ...`): the command line (megatrain/cli/)."""
 
 import sys
 

@@ -1,7 +1,7 @@
 """Choosing DepthSSD's rank N: the largest N in {1, 2, 4, 8, 16} whose plan fits the budget and whose predicted
 step time stays within a tolerance of N = 1's (`megatrain plan --depth-rank auto`).
 
-Where it sits: planner/cli.py calls `choose_rank` for `--depth-rank auto`; `tune(depth_ranks=...)` sweeps N.
+Where it sits: `megatrain plan` (cli/plan.py) calls `choose_rank` for `--depth-rank auto`; `tune(depth_ranks=...)` sweeps N.
 Why: the depth state is N x T x d in fp32 per micro-batch on every unit boundary (models/depth/depthssd.py), so
 N costs memory (carries, or the rebuild the planner may pick instead) and a little compute; a larger N buys
 quality (reference/depth_mixing.md §5). The rank is the one model choice the budget decides, so the planner

@@ -1,6 +1,6 @@
 """Run files: `megatrain train --config run.toml` holds every train setting; flags on the command line win.
 
-Where it sits: the top-level CLI (megatrain/cli.py) calls `expand` before parsing, which turns the file into
+Where it sits: the CLI (megatrain/cli/__init__.py) calls `expand` before parsing, which turns the file into
 the flags it stands for, placed before the user's own (argparse keeps the last value of a flag, so a flag
 given on the command line overrides the file). After parsing, `effective_settings(args)` is what the run
 actually uses: `megatrain train` prints it at start, as TOML a run file can hold, and every checkpoint's

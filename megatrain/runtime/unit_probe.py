@@ -1,6 +1,6 @@
 """The unit probe: every op a plan runs, measured through the engine's own code on the device that runs it.
 
-Where it sits: `megatrain probe --model M ...` (planner/cli.py) calls `probe_hardware`, which adds a measured
+Where it sits: `megatrain probe --model M ...` (cli/plan.py) calls `probe_hardware`, which adds a measured
 UnitProfile (planner/profile.py) to a Hardware profile and caches it; `Trainer(hardware="auto")` looks the
 cached one up (`cached_hardware`). The cost model (planner/costs.py) then prices each op from it. Try it:
 `megatrain probe --device cpu --model tiny --seq-len 64 --micro-batch 2 --dtype fp32`.

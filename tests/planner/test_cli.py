@@ -1,4 +1,4 @@
-"""`megatrain plan | tune | probe` through planner.cli.main: output, files, errors and exit codes."""
+"""`megatrain plan | tune | probe` through megatrain.cli.main (megatrain/cli/plan.py): output, files, errors and exit codes."""
 
 import json
 

@@ -11,7 +11,7 @@ and keeps results on disk. For each (task, protocol):
 - the parse mode (base.ParseMode) goes to the judge in the query and decides what a usable answer is:
   official accepts best == worst in pick_best_and_worst, strict refuses it. Each result records its mode.
 
-Try it: `python -c "from megatrain.evals.protocol import trial_orders; print(trial_orders('t1', 4))"`.
+Try it: `python -c "from megatrain.vab.protocol import trial_orders; print(trial_orders('t1', 4))"`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Adapters and reference judges here:
 - PositionJudge: always answers fixed positions, whatever the images.
 CommandJudge (an external program) is in command_judge.py; judge specs are parsed in specs.py.
 
-Try it: `python -c "from megatrain.evals.judges import RandomJudge; help(RandomJudge)"`.
+Try it: `python -c "from megatrain.vab.judges import RandomJudge; help(RandomJudge)"`.
 """
 
 from __future__ import annotations

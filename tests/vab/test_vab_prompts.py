@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from megatrain.evals.prompts import (
+from megatrain.vab.prompts import (
     OFFICIAL_PATTERNS,
     AnswerParseError,
     build_prompt,

@@ -11,7 +11,7 @@ line, fields as in the released dataset (docs/VAB.md):
 paths resolve against `image_root` when one is given (the CLI passes the task file's folder).
 
 Try it: `megatrain vab generate --out tasks.jsonl && python -c
-"from megatrain.evals.tasks import load_tasks; print(load_tasks('tasks.jsonl')[0])"`.
+"from megatrain.vab.tasks import load_tasks; print(load_tasks('tasks.jsonl')[0])"`.
 """
 
 from __future__ import annotations

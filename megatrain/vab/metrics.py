@@ -19,7 +19,7 @@ Metrics (reference vab.md section 3):
 - intervals: percentile bootstrap over tasks (one resample of tasks shared by all metrics of a group);
   each resample recomputes the statistic (the per-trial-index ratios for ap1).
 
-Try it: `python -c "from megatrain.evals.metrics import random_baseline; print(random_baseline([2, 3, 4]))"`.
+Try it: `python -c "from megatrain.vab.metrics import random_baseline; print(random_baseline([2, 3, 4]))"`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Shared pieces of megatrain.evals: the frozen pydantic base model, the protocol names, letter labels.
+"""Shared pieces of megatrain.vab: the frozen pydantic base model, the protocol names, letter labels.
 
 Where it sits: imported by every other module of the VAB evaluation (docs/VAB.md). Values are frozen,
 strict pydantic models that round-trip through JSON, like the IR of the training stack, but this package
 does not import the training stack.
 
-Try it: `python -c "from megatrain.evals.base import letters; print(letters(4))"`.
+Try it: `python -c "from megatrain.vab.base import letters; print(letters(4))"`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import random
 import pytest
 from vab_testing import write_lines
 
-from megatrain.evals.agreement import (
+from megatrain.vab.agreement import (
     HumanLabel,
     analyze_agreement,
     compare_protocols,
@@ -20,10 +20,10 @@ from megatrain.evals.agreement import (
     score_choices,
     self_consistency,
 )
-from megatrain.evals.errors import VabError
-from megatrain.evals.judges import OracleJudge, RandomJudge
-from megatrain.evals.runner import evaluate
-from megatrain.evals.synth import generate_tasks
+from megatrain.vab.errors import VabError
+from megatrain.vab.judges import OracleJudge, RandomJudge
+from megatrain.vab.runner import evaluate
+from megatrain.vab.synth import generate_tasks
 
 
 def test_kendall_tau_known_values():

@@ -18,7 +18,7 @@ Two parse modes (base.ParseMode; docs/VAB.md "Parse modes"):
   is one of the presented labels (either case).
 Anything else raises AnswerParseError.
 
-Try it: `python -c "from megatrain.evals.prompts import parse_answer; print(parse_answer('hm\\nBEST: b',
+Try it: `python -c "from megatrain.vab.prompts import parse_answer; print(parse_answer('hm\\nBEST: b',
 'pick_best', ('A', 'B'), 'strict'))"`.
 """
 

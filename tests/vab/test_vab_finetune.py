@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.evals.errors import VabError
-from megatrain.evals.finetune import check_disjoint, export_pairs, image_digest
-from megatrain.evals.judges import JudgeAnswer
-from megatrain.evals.prompts import parse_answer
-from megatrain.evals.protocol import make_query, score_answer
-from megatrain.evals.synth import generate_tasks
+from megatrain.vab.errors import VabError
+from megatrain.vab.finetune import check_disjoint, export_pairs, image_digest
+from megatrain.vab.judges import JudgeAnswer
+from megatrain.vab.prompts import parse_answer
+from megatrain.vab.protocol import make_query, score_answer
+from megatrain.vab.synth import generate_tasks
 
 
 def test_pairs_answer_the_prompt_correctly():

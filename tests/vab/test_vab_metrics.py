@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatrain.evals.agreement import compare_runs
-from megatrain.evals.errors import VabError
-from megatrain.evals.judges import JudgeAnswer, OracleJudge, PositionJudge, RandomJudge
-from megatrain.evals.metrics import METRICS, bootstrap_ci, build_report, random_baseline, task_outcomes
-from megatrain.evals.protocol import derive_pair, score_answer
-from megatrain.evals.runner import evaluate
-from megatrain.evals.synth import generate_tasks
+from megatrain.vab.agreement import compare_runs
+from megatrain.vab.errors import VabError
+from megatrain.vab.judges import JudgeAnswer, OracleJudge, PositionJudge, RandomJudge
+from megatrain.vab.metrics import METRICS, bootstrap_ci, build_report, random_baseline, task_outcomes
+from megatrain.vab.protocol import derive_pair, score_answer
+from megatrain.vab.runner import evaluate
+from megatrain.vab.synth import generate_tasks
 
 
 def test_random_baseline_formulas():

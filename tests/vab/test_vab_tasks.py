@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from vab_testing import write_lines
 
-from megatrain.evals.errors import VabError
-from megatrain.evals.tasks import Task, load_tasks, write_tasks
+from megatrain.vab.errors import VabError
+from megatrain.vab.tasks import Task, load_tasks, write_tasks
 
 GOOD = {"task_id": "photo_1", "domain": "photograph", "substyle": "macro", "images": ["a.jpg", "b.jpg", "c.jpg"],
         "labels": ["A", "B", "C"], "ground_truth_best": "B", "ground_truth_worst": "C"}

@@ -15,7 +15,7 @@ compares two judge runs (`megatrain vab report A --compare B`). A human label fi
 - McNemar: exact two-sided binomial test on the discordant pairs of paired per-task indicators.
 The paper's exact definitions are not verified [recon]; check them before reporting a replication.
 
-Try it: `python -c "from megatrain.evals.agreement import kendall_tau; print(kendall_tau([1, 2, 3], [1, 3, 2]))"`.
+Try it: `python -c "from megatrain.vab.agreement import kendall_tau; print(kendall_tau([1, 2, 3], [1, 3, 2]))"`.
 """
 
 from __future__ import annotations

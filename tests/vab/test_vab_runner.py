@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from megatrain.evals.errors import VabError
-from megatrain.evals.judges import JudgeAnswer, RandomJudge
-from megatrain.evals.runner import evaluate, load_results, run_eval
+from megatrain.vab.errors import VabError
+from megatrain.vab.judges import JudgeAnswer, RandomJudge
+from megatrain.vab.runner import evaluate, load_results, run_eval
 
 TOTAL = 12 * 9  # tasks x (3 protocols x 3 trials)
 

@@ -9,7 +9,7 @@ resumed run refuses to mix judges. Specs:
     scores:FILE.jsonl   scalar scores per candidate: {"task_id": ..., "scores": {"A": 0.7, ...}}
     cmd:COMMAND         external command: prompt on stdin, `BEST: X` / `WORST: Y` on stdout
 
-Try it: `python -c "from megatrain.evals.specs import make_judge; print(make_judge('random:3', [])[1])"`.
+Try it: `python -c "from megatrain.vab.specs import make_judge; print(make_judge('random:3', [])[1])"`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Helpers shared by the VAB tests (imported by name; tests/evals is on sys.path under pytest's default mode)."""
+"""Helpers shared by the VAB tests (imported by name; tests/vab is on sys.path under pytest's default mode)."""
 
 from __future__ import annotations
 

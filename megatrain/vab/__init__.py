@@ -1,6 +1,6 @@
-"""megatrain.evals: the Visual Aesthetic Benchmark (VAB) protocol for any judge, independent of training.
+"""megatrain.vab: the Visual Aesthetic Benchmark (VAB) protocol for any judge, independent of training.
 
-Where it sits: a self-contained package (folder evals/, docs in docs/VAB.md). A judge sees a set of
+Where it sits: a self-contained package (folder megatrain/vab/, docs in docs/VAB.md; its own command, `megatrain-vab`). A judge sees a set of
 matched candidates in three orders and names the best and/or worst; a task counts (pass^3) only when the
 answer holds in all three. Pipeline: tasks.py (JSONL tasks) -> judges.py / command_judge.py / specs.py
 (who answers) -> protocol.py (orders, mapping back, scoring) -> runner.py (resumable results file) ->

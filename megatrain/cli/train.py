@@ -1,9 +1,9 @@
-"""`megatrain train | compile | prepare | export`: the runtime's command line.
+"""`megatrain train | compile | export`: running the pipeline.
 
-Where it sits: the top-level CLI (megatrain/cli.py) calls `add_parser(subparsers)`. `train` runs the whole
+Where it sits: the CLI (megatrain/cli/__init__.py) calls `add_parser(subparsers)`. `train` runs the whole
 pipeline (trace, plan, compile, run) through runtime.trainer.Trainer, with checkpoints and resume;
-`compile` stops after codegen and writes the step program; `prepare` builds token files (runtime/corpus.py);
-`export` writes a checkpoint's weights as one safetensors file (runtime/export.py).
+`compile` stops after codegen and writes the step program; `export` writes a checkpoint as a Hugging Face
+model folder, or its weights as safetensors files (runtime/export.py).
 Try it: `megatrain train --model tiny --device sim --gpu-mem 6MiB --seq-len 64 --micro-batch 2 --steps 20`.
 
 Every flag is checked before anything is allocated: a value a user can get wrong is answered in one line
@@ -28,8 +28,9 @@ from megatrain.files import (
     write_atomic,
 )
 from megatrain.planner.bytesize import format_bytes, parse_bytes
-from megatrain.planner.cli import _common, _hardware, _model, _train, _world
 from megatrain.planner.train import MAX_STEPS
+
+from .common import add_common_flags, hardware_of, model_config, train_spec, world_of
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +39,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               "AdamW states live in host memory; the device holds only what the plan says.")
     t.add_argument("--config", metavar="RUN.toml", type=input_path, help="a run file holding any of these settings (model, data, "
                    "optimizer, schedule, budget, checkpointing); flags given here override it")
-    _common(t, default_hardware="auto")
+    add_common_flags(t, default_hardware="auto")
     t.add_argument("--device", choices=("sim", "cuda", "auto"), default="auto",
                    help="sim: CPU-backed simulated GPU; cuda: the real one; auto: cuda if present (default)")
     t.add_argument("--gpu-mem", metavar="BYTES", required=True, help="device memory budget, e.g. 40MiB or 80GiB")
@@ -101,17 +102,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     c = subparsers.add_parser("compile", help="plan a step and write it as a Python step program",
                               description="Plan one optimizer step and render its Program as straight-line "
                               "Python (one statement per instruction), loadable with megatrain.codegen.load.")
-    _common(c)
+    add_common_flags(c)
     c.add_argument("--gpu-mem", metavar="BYTES", help="GPU memory budget (default: the GPU's memory)")
     c.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     c.add_argument("-o", "--out", metavar="FILE", type=output_path, required=True, help="where to write the step program (an existing file is replaced only if it is one)")
     c.set_defaults(func=run_compile)
-
-    from .corpus import add_prepare_parser
-    from .depth_matrix import add_parser as add_depth_matrix_parser
-
-    add_prepare_parser(subparsers)
-    add_depth_matrix_parser(subparsers)
 
     e = subparsers.add_parser("export", help="write a checkpoint as a Hugging Face model folder (or one "
                               "safetensors file)",
@@ -138,7 +133,7 @@ def _data_paths(args) -> tuple[str, str | None]:
         _need(args.val_data or not args.eval_every, f"--eval-every {args.eval_every} with --data needs --val-data FILE "
               "(held-out tokens of the same data; `megatrain prepare` writes train.bin and val.bin)")
         return args.data, args.val_data
-    from .corpus import cached_default_corpus
+    from megatrain.runtime.corpus import cached_default_corpus
 
     # a model folder with its own tokenizer trains on the default corpus tokenized with it
     model = Path(args.model)
@@ -164,7 +159,7 @@ def _device_and_hardware(args) -> tuple[str, object]:
     args.profile = "auto" if args.hardware == "auto" else "off"
     if args.hardware == "auto":
         args.hardware = hardware_for_device(device).name  # a preset name: --host-mem still applies below
-    return device, _hardware(args)
+    return device, hardware_of(args)
 
 
 def _need(ok: bool, message: str) -> None:
@@ -220,7 +215,7 @@ def _check_checkpoint_dir(ckpt_dir: str, inputs: dict) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """`megatrain train`, on one process or as one rank of torchrun's world."""
-    from .distributed import Communicator, world_from_env
+    from megatrain.runtime.distributed import Communicator, world_from_env
 
     size = world_from_env()
     _need(all(v is None or v > 0 for v in (args.nproc, args.nnodes)),
@@ -249,9 +244,9 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> int:
-    from .distributed import UNVERIFIED_NCCL
-    from .runfile import effective_settings
-    from .trainer import Preempted, Trainer
+    from megatrain.runtime.distributed import UNVERIFIED_NCCL
+    from megatrain.runtime.runfile import effective_settings
+    from megatrain.runtime.trainer import Preempted, Trainer
 
     def say(*a, **kw):  # rank 0 speaks for the world
         if comm is None or comm.rank == 0:
@@ -262,7 +257,7 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
 
     _check_train_flags(args)
     warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
-    spec = _train(args, args.micro_batch, lr=args.lr, warmup_steps=warmup, total_steps=args.steps,
+    spec = train_spec(args, args.micro_batch, lr=args.lr, warmup_steps=warmup, total_steps=args.steps,
                   weight_decay=args.weight_decay, seed=args.seed, betas=_betas(args.betas), eps=args.eps,
                   schedule=args.schedule, min_lr_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
     budget = parse_bytes(args.gpu_mem)
@@ -270,7 +265,7 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
     _need(ckpt_dir is None or args.checkpoint_every > 0, f"--checkpoint-dir {ckpt_dir} without --checkpoint-every N "
           "would write no checkpoint: add --checkpoint-every N (a save every N steps and after the last)")
     if ckpt_dir is None and args.resume:  # new checkpoints go next to the one resumed from
-        from .checkpoint import find_checkpoint
+        from megatrain.runtime.checkpoint import find_checkpoint
 
         ckpt_dir = str(find_checkpoint(args.resume).parent)
     if ckpt_dir is None and args.checkpoint_every:
@@ -293,7 +288,7 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
           f"--sim-threads must be a positive integer, got {args.sim_threads}")
     settings = effective_settings(args)
     say("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
-    model = _model(args)  # a model folder is passed as the folder: the Trainer loads its weights
+    model = model_config(args)  # a model folder is passed as the folder: the Trainer loads its weights
     with Trainer(args.model if Path(args.model).is_dir() else model, spec, budget, hardware=hardware,
                  device=device, data=data, val_data=val, metrics_path=args.metrics, checkpoint_dir=ckpt_dir,
                  checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
@@ -365,8 +360,7 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
 def _plot_run(plan, spans: list[tuple], path: str) -> None:
     from megatrain.planner.series import plan_series
     from megatrain.plots import run_figure, save_figure
-
-    from .timeline import measured_series
+    from megatrain.runtime.timeline import measured_series
 
     measured = measured_series(spans)
     save_figure(run_figure(plan_series(plan), measured), path)
@@ -375,7 +369,7 @@ def _plot_run(plan, spans: list[tuple], path: str) -> None:
 
 def _is_safetensors(path: Path) -> bool:
     """Whether `path` opens as a safetensors file (tensorfiles.SafetensorsFile checks its header)."""
-    from .tensorfiles import CheckpointError, SafetensorsFile
+    from megatrain.runtime.tensorfiles import CheckpointError, SafetensorsFile
 
     try:
         SafetensorsFile(path).close()
@@ -413,7 +407,7 @@ def _check_step_program(path: str) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from .export import export_model_dir, export_weights
+    from megatrain.runtime.export import export_model_dir, export_weights
 
     if Path(args.out).suffix == ".safetensors":
         check_outputs({"--out": args.out})
@@ -444,11 +438,11 @@ def run_compile(args: argparse.Namespace) -> int:
     check_outputs({"-o": args.out}, {"--model": args.model if Path(args.model).exists() else None,
                                      "--hardware": args.hardware if Path(args.hardware).exists() else None})
     _check_step_program(args.out)
-    hw = _hardware(args)
-    spec = _train(args, args.micro_batch)
+    hw = hardware_of(args)
+    spec = train_spec(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
-    result = plan(_load_ir(_model(args), spec, hw), hw, spec, budget, host_policy=args.host_policy,
-                  world=_world(args))
+    result = plan(_load_ir(model_config(args), spec, hw), hw, spec, budget, host_policy=args.host_policy,
+                  world=world_of(args))
     out = Path(args.out)
     write_atomic(out, emit(result), "-o")
     print(f"wrote {len(result.program.instrs)} instructions to {out} (peak {format_bytes(result.peak_gpu_bytes)} "

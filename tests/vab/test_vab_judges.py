@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 from vab_testing import write_lines
 
-from megatrain.evals.command_judge import CommandJudge
-from megatrain.evals.errors import VabError
-from megatrain.evals.judges import RandomJudge, ScoreJudge, load_scores
-from megatrain.evals.protocol import make_query, run_trial
-from megatrain.evals.specs import make_judge
-from megatrain.evals.tasks import Task
+from megatrain.vab.command_judge import CommandJudge
+from megatrain.vab.errors import VabError
+from megatrain.vab.judges import RandomJudge, ScoreJudge, load_scores
+from megatrain.vab.protocol import make_query, run_trial
+from megatrain.vab.specs import make_judge
+from megatrain.vab.tasks import Task
 
 
 def _task() -> Task:

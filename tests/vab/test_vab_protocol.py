@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatrain.evals.judges import JudgeAnswer, OracleJudge, PositionJudge
-from megatrain.evals.protocol import (
+from megatrain.vab.judges import JudgeAnswer, OracleJudge, PositionJudge
+from megatrain.vab.protocol import (
     derive_pair,
     make_query,
     pick_best,
@@ -15,7 +15,7 @@ from megatrain.evals.protocol import (
     score_answer,
     trial_orders,
 )
-from megatrain.evals.tasks import Task
+from megatrain.vab.tasks import Task
 
 
 def _task(n: int = 4, best: str = "C", worst: str = "A", task_id: str = "t1") -> Task:

@@ -4,7 +4,7 @@ Where it sits: tasks.py, judges.py (score files), agreement.py (human labels) an
 read through `read_models`; runner.py appends through `append_line`. A pydantic validation error is
 turned into a VabError that names the file, the line and the field.
 
-Try it: `python -c "from megatrain.evals.jsonl import iter_json_lines; print(list(iter_json_lines('x.jsonl')))"`.
+Try it: `python -c "from megatrain.vab.jsonl import iter_json_lines; print(list(iter_json_lines('x.jsonl')))"`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The `vab` CLI through a tiny argparse parser, as megatrain/cli.py wires it: generate, run, report, export;
-and `python -m megatrain.evals.cli` as a subprocess."""
+"""`megatrain-vab` (megatrain/cli/vab.py): generate, run, report, export through its parser; `python -m
+megatrain.cli.vab` as a subprocess; its former spelling `megatrain vab`; and that it stays out of the training
+CLI's help and imports none of the training stack."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -12,15 +12,13 @@ import pytest
 from vab_testing import write_lines
 
 from megatrain.cli import main as megatrain_main
-from megatrain.evals import cli
-from megatrain.evals.errors import VabError
-from megatrain.evals.runner import load_results
+from megatrain.cli import vab as cli
+from megatrain.vab.errors import VabError
+from megatrain.vab.runner import load_results
 
 
 def vab(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="megatrain")
-    cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["vab", *argv])
+    args = cli.build_parser().parse_args(list(argv))
     return args.func(args)
 
 
@@ -95,7 +93,7 @@ def test_user_errors_raise_vab_error_and_main_exits_2(tmp_path, capsys):
     with pytest.raises(VabError, match="not a comma list of integers"):
         vab("generate", "--out", str(tasks), "--sizes", "2,three")
     bad = write_lines(tmp_path / "bad.jsonl", ['{"task_id": "a"}'])
-    code = megatrain_main(["vab", "run", "--tasks", str(bad), "--judge", "oracle", "--out", str(tmp_path / "r.jsonl")])
+    code = cli.main(["run", "--tasks", str(bad), "--judge", "oracle", "--out", str(tmp_path / "r.jsonl")])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("error: ") and "bad.jsonl:1: field 'domain'" in err
     assert len(err.strip().splitlines()) == 1
@@ -174,21 +172,36 @@ def test_export_compares_image_contents(tmp_path, capsys):
 
 
 def _module_cli(*argv: str, cwd) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatrain.evals.cli", *argv], cwd=cwd, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "megatrain.cli.vab", *argv], cwd=cwd, capture_output=True,
                           text=True, timeout=120)
 
 
 def test_python_dash_m_runs_the_vab_commands(tmp_path):
-    done = _module_cli("vab", "generate", "--out", "t.jsonl", "--n", "4", cwd=tmp_path)
+    done = _module_cli("generate", "--out", "t.jsonl", "--n", "4", cwd=tmp_path)
     assert done.returncode == 0 and done.stdout == "wrote 4 tasks to t.jsonl\n"
     assert len((tmp_path / "t.jsonl").read_text().splitlines()) == 4
-    done = _module_cli("vab", "run", "--tasks", "t.jsonl", "--judge", "oracle", "--out", "r.jsonl", cwd=tmp_path)
+    done = _module_cli("run", "--tasks", "t.jsonl", "--judge", "oracle", "--out", "r.jsonl", cwd=tmp_path)
     assert done.returncode == 0 and "oracle (parse official): ran 36 trials" in done.stdout
-    done = _module_cli("vab", "report", "r.jsonl", "--boot", "20", cwd=tmp_path)
+    done = _module_cli("report", "r.jsonl", "--boot", "20", cwd=tmp_path)
     assert done.returncode == 0 and "parse official" in done.stdout
     assert json.loads((tmp_path / "r.report.json").read_text())["overall"]["metrics"]["tb1"]["pass3"]["value"] == 1.0
-    done = _module_cli("vab", "run", "--tasks", "missing.jsonl", "--judge", "oracle", "--out", "x.jsonl",
+    done = _module_cli("run", "--tasks", "missing.jsonl", "--judge", "oracle", "--out", "x.jsonl",
                        cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.startswith("error: ") and len(done.stderr.splitlines()) == 1
-    done = _module_cli("vab", "run", "--help", cwd=tmp_path)
+    done = _module_cli("run", "--help", cwd=tmp_path)
     assert done.returncode == 0 and "--parse {official,strict}" in done.stdout
+
+
+def test_vab_is_its_own_command_and_its_former_spelling_still_runs(tmp_path, capsys):
+    from megatrain.cli import build_parser
+
+    assert "vab" not in build_parser().format_help()  # out of the training CLI's help
+    assert "generate" in cli.build_parser().format_help()
+    out = tmp_path / "t.jsonl"
+    assert megatrain_main(["vab", "generate", "--out", str(out), "--n", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "is now its own command, `megatrain-vab" in captured.err and out.exists()
+    code = ("import sys, megatrain.cli.vab; "
+            "print(sorted(m for m in ('torch', 'megatrain.runtime', 'megatrain.planner') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr

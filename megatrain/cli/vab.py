@@ -1,15 +1,15 @@
-"""The `megatrain vab` command: generate, run, report, export, agreement.
+"""`megatrain-vab`: the VAB protocol's own command (generate, run, report, export, agreement), apart from
+the training CLI; the protocol is the package megatrain/vab/.
 
-Where it sits: megatrain/cli.py calls `add_parser(subparsers)`; every leaf parser sets `func(args) -> int`.
-User errors raise VabError (a ValueError): the top-level CLI prints `error: <message>` and exits 2.
-`python -m megatrain.evals.cli vab ...` runs the same commands through `main` here, with the same error
-convention, without importing the training stack.
+Every leaf parser sets `func(args) -> int`. User errors raise VabError (a ValueError): `main` prints
+`error: <message>` and exits 2 (megatrain.cli's convention). It imports nothing of the training stack.
+`megatrain vab ...`, its former spelling, still runs it and says so.
 
-    megatrain vab generate --out tasks.jsonl [--n 90] [--sizes 2,3,4] [--scores scores.jsonl]
-    megatrain vab run --tasks tasks.jsonl --judge SPEC --out results.jsonl [--protocols all] [--parse official]
-    megatrain vab report results.jsonl [--json report.json] [--compare other.jsonl]
-    megatrain vab export --train train.jsonl --eval eval.jsonl --out pairs.jsonl [--no-image-check]
-    megatrain vab agreement labels.jsonl [--threshold 5]
+    megatrain-vab generate --out tasks.jsonl [--n 90] [--sizes 2,3,4] [--scores scores.jsonl]
+    megatrain-vab run --tasks tasks.jsonl --judge SPEC --out results.jsonl [--protocols all] [--parse official]
+    megatrain-vab report results.jsonl [--json report.json] [--compare other.jsonl]
+    megatrain-vab export --train train.jsonl --eval eval.jsonl --out pairs.jsonl [--no-image-check]
+    megatrain-vab agreement labels.jsonl [--threshold 5]
 
 Judge specs: oracle, random[:SEED], position[:INDEX], scores:FILE.jsonl, cmd:COMMAND (docs/VAB.md).
 """
@@ -23,18 +23,17 @@ from pathlib import Path
 from rich.console import Console
 
 from megatrain.files import check_outputs, input_path, output_path, write_atomic
-
-from .agreement import analyze_agreement, compare_runs, load_human_labels
-from .base import DEFAULT_PARSE, PARSE_MODES, parse_protocols
-from .errors import VabError
-from .finetune import export_pairs
-from .jsonl import write_models
-from .metrics import METRICS, build_report, parse_mode
-from .report import print_report, write_report_json
-from .runner import load_results, run_eval
-from .specs import SPEC_HELP, make_judge
-from .synth import generate_tasks, synthetic_scores
-from .tasks import load_tasks, write_tasks
+from megatrain.vab.agreement import analyze_agreement, compare_runs, load_human_labels
+from megatrain.vab.base import DEFAULT_PARSE, PARSE_MODES, parse_protocols
+from megatrain.vab.errors import VabError
+from megatrain.vab.finetune import export_pairs
+from megatrain.vab.jsonl import write_models
+from megatrain.vab.metrics import METRICS, build_report, parse_mode
+from megatrain.vab.report import print_report, write_report_json
+from megatrain.vab.runner import load_results, run_eval
+from megatrain.vab.specs import SPEC_HELP, make_judge
+from megatrain.vab.synth import generate_tasks, synthetic_scores
+from megatrain.vab.tasks import load_tasks, write_tasks
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -157,11 +156,14 @@ def cmd_agreement(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register `vab` and its subcommands on the top-level CLI's subparsers."""
-    vab = subparsers.add_parser("vab", help="Visual Aesthetic Benchmark: set-based evaluation of judges",
-                                description="Visual Aesthetic Benchmark protocol (docs/VAB.md).")
-    sub = vab.add_subparsers(dest="vab_command", required=True)
+def build_parser() -> argparse.ArgumentParser:
+    """`megatrain-vab` and its subcommands."""
+    from . import Parser
+
+    vab = Parser(prog="megatrain-vab", description="Visual Aesthetic Benchmark: set-based evaluation of judges "
+                 "(docs/VAB.md).")
+    vab.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = vab.add_subparsers(dest="vab_command", required=True, parser_class=Parser)
 
     p = sub.add_parser("generate", help="write a synthetic task set (and optional scores) to try things out")
     p.add_argument("--out", required=True, type=output_path, help="task file to write (JSONL)")
@@ -216,14 +218,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threshold", type=int, default=5, help="votes for a majority (default 5, of 8)")
     p.add_argument("--json", default=None, type=output_path, help="also write the analysis as JSON")
     p.set_defaults(func=cmd_agreement)
+    return vab
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run `vab ...` from `argv` through the top-level `megatrain` CLI, which registers the same command
-    (add_parser) and owns the error convention: a user error prints `error: <message>` and returns 2."""
-    from megatrain.cli import main as megatrain_main
+    """`megatrain-vab ...`, with the CLI's error convention: a user error prints `error: <message>`, returns 2."""
+    from . import run
 
-    return megatrain_main(sys.argv[1:] if argv is None else argv)
+    return run(build_parser, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

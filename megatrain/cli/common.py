@@ -1,0 +1,150 @@
+"""What the verbs share: the model, hardware, world and training flags, and turning them into values.
+
+Every problem is raised as a ValueError naming the flag (megatrain.cli prints it as one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from megatrain.files import check_outputs, input_path
+from megatrain.planner.bytesize import parse_bytes
+from megatrain.planner.hardware import PRESETS, Hardware, resolve_hardware
+from megatrain.planner.train import TrainSpec
+
+
+def add_common_flags(p: argparse.ArgumentParser, default_hardware: str = "h100-sxm") -> None:
+    """The flags plan, tune, train and compile share."""
+    p.add_argument("--model", required=True, type=input_path, help="a preset name (tiny, llama3-70b, ...) or a .json/.toml config")
+    p.add_argument("--hardware", default=default_hardware, type=input_path,
+                   help=f"a preset ({', '.join(PRESETS)}) or a profile JSON from `megatrain probe` "
+                   f"(default {default_hardware})")
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32 (default bf16)")
+    p.add_argument("--clip-norm", type=float, default=None, help="global gradient-norm clip (default: off)")
+    p.add_argument("--host-mem", metavar="BYTES", help="host memory available, overriding the profile's")
+    p.add_argument("--depth-mixing", metavar="SPEC", help="override the model's depth mixing: residual, "
+                   "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
+    p.add_argument("--host-policy", metavar="auto|NAME", default="auto", type=host_policy_arg,
+                   help="how the host holds AdamW state: exact, bf16-moments, bf16, fp8, or auto (default): the "
+                   "most exact that fits host memory within 0.5%% measured validation-loss cost")
+    p.add_argument("--nproc", type=int, default=None, metavar="R",
+                   help="data-parallel ranks (GPUs) in all: plan one rank's step, the model state sharded R ways "
+                   "and --grad-accum split across ranks (default 1; `train` takes it from torchrun)")
+    p.add_argument("--nnodes", type=int, default=None, metavar="N",
+                   help="nodes the --nproc ranks run on, nproc / nnodes each (default 1)")
+
+
+def host_policy_arg(text: str) -> str:
+    from megatrain.planner.host_policy import read_request
+
+    try:
+        return read_request(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def model_config(args: argparse.Namespace):
+    """The model config, with --depth-mixing applied."""
+    from megatrain.models import load_model_config
+    from megatrain.planner.depth_rank import with_depth
+
+    config = load_model_config(args.model)
+    spec = getattr(args, "depth_mixing", None)
+    if spec and Path(args.model).is_dir() and getattr(args, "command", None) == "train":
+        raise ValueError(f"--depth-mixing {spec} would train another model than the weights in {args.model} hold; "
+                         "fine-tune the model as it is, or train a config file with the mixing from scratch")
+    return with_depth(config, spec) if spec else config
+
+
+def depth_ranks(text: str | None) -> list[int] | None:
+    """--depth-rank for tune: None, 'auto' (1,2,4,8,16) or a comma-separated list."""
+    from megatrain.models.depth.spec import RANKS, parse_depth
+
+    if text is None:
+        return None
+    if text.strip() == "auto":
+        return list(RANKS)
+    try:
+        ranks = [int(x) for x in split_list(text, "--depth-rank")]
+    except ValueError:
+        raise ValueError(f"--depth-rank {text!r} must be auto or comma-separated integers, e.g. 1,4,16") from None
+    for n in ranks:
+        parse_depth(f"depthssd:{n}")
+    return ranks
+
+
+def world_of(args: argparse.Namespace):
+    """The World of --nproc / --nnodes (None for one rank), or one line naming the flag."""
+    from pydantic import ValidationError
+
+    from megatrain.planner.world import World
+
+    nproc, nnodes = getattr(args, "nproc", None), getattr(args, "nnodes", None)
+    nproc, nnodes = 1 if nproc is None else nproc, 1 if nnodes is None else nnodes
+    if nproc < 1 or nnodes < 1:
+        raise ValueError(f"--nproc and --nnodes must be positive integers, got {nproc} and {nnodes}")
+    try:
+        world = World(nproc=nproc, nnodes=nnodes)
+    except ValidationError as e:
+        raise ValueError(e.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    if world.nproc > 1:
+        world.local_micro_batches(args.grad_accum)
+    return world if world.nproc > 1 else None
+
+
+def hardware_of(args: argparse.Namespace) -> Hardware:
+    hw = resolve_hardware(args.hardware)
+    if args.host_mem is not None:
+        host = parse_bytes(args.host_mem)
+        if host <= 0:
+            raise ValueError(f"--host-mem must be a positive size, e.g. 512GiB (the host memory training may use), "
+                             f"got {args.host_mem}")
+        hw = hw.replace(host_memory_bytes=host)
+    return hw
+
+
+FLAGS = {"total_steps": "--steps", "warmup_steps": "--warmup"}  # TrainSpec fields whose flag is named apart
+
+
+def train_spec(args: argparse.Namespace, micro_batch: int, **fields) -> TrainSpec:
+    """The TrainSpec of the flags (and `fields`), or one line naming the flag of the first problem."""
+    try:
+        return TrainSpec(micro_batch=micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum,
+                         dtype=args.dtype, clip_norm=args.clip_norm, **fields)
+    except ValueError as e:  # pydantic's ValidationError is a ValueError; keep the first problem, by flag
+        errors = getattr(e, "errors", None)
+        first = errors()[0] if callable(errors) else {"msg": str(e), "loc": ()}
+        field = str(first["loc"][0]) if first.get("loc") else ""
+        flag = FLAGS.get(field, f"--{field.replace('_', '-')}") + ": " if field else ""
+        raise ValueError(f"bad training settings: {flag}{first['msg'].removeprefix('Value error, ')}") from None
+
+
+def load_ir(model: str, train: TrainSpec, hw: Hardware | None = None):
+    """The model traced for `train`, for the kernels of `hw`'s device (the sim device runs CPU kernels)."""
+    from megatrain.planner import loading
+
+    target = hw.device if hw is not None else "cuda"
+    return loading.trace_model(model, train.micro_batch, train.seq_len, train.dtype, target)
+
+
+def check_paths(args: argparse.Namespace, **outputs: str | None) -> None:
+    """Every output path, checked before any planning (megatrain.files.check_outputs), and --plot's suffix and
+    matplotlib."""
+    inputs = {"--model": args.model, "--hardware": args.hardware if Path(args.hardware).exists() else None}
+    check_outputs(outputs, inputs)
+    if outputs.get("--plot"):
+        from megatrain.plots import check_plot_path
+
+        check_plot_path(outputs["--plot"])
+
+
+
+
+def split_list(text: str, what: str) -> list[str]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{what} is empty; give a comma-separated list such as 1,2,4")
+    return items
