@@ -52,3 +52,19 @@ def test_the_package_is_laid_out_as_imported():
     stray = [p for p in tracked() if p.suffix == ".py" and p.parts[len(REPO.parts)] not in
              ("megatrain", "tests", "benchmarks", "examples")]
     assert not stray, stray
+
+
+def test_every_relative_link_in_the_prose_points_to_a_file():
+    """Every relative link of README.md and docs/ (pages and logs; images included; code blocks and URLs left out)
+    names a file or folder of the repository, so moving prose between pages cannot leave a link dangling."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+        for target in re.findall(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text):
+            if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists() or REPO not in (path, *path.parents):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, "\n".join(broken)
