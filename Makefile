@@ -34,7 +34,7 @@ demo: $(VENV)/.installed
 		--micro-batch 2 --grad-accum 4 --steps 50 --lr 2e-3 --clip-norm 1.0 --eval-every 10 \
 		--metrics out/demo/metrics.jsonl --trace out/demo/trace.json
 
-# Hugging Face model folders and tokenizers (transformers, tokenizers): the README's fine-tuning section.
+# Hugging Face model folders and tokenizers (transformers, tokenizers): docs/FINETUNING.md.
 hf: $(VENV)/.installed-hf
 
 # The default suite, then every test marked `cuda` on the fake CUDA backend (megatrain/fake_cuda/).

@@ -1,6 +1,6 @@
 """Make a small random Hugging Face Llama to fine-tune, and a chat dataset to fine-tune it on; no download.
 
-Where it sits: the README's fine-tuning walk-through starts here (and tests/test_readme_finetune.py runs
+Where it sits: the fine-tuning walk-through (docs/FINETUNING.md) starts here (and tests/test_readme_finetune.py runs
 it). The tokenizer is a byte-level BPE trained on the Python standard library's source (the built-in corpus),
 with ChatML's special tokens and chat template; the model is a LlamaForCausalLM of random weights saved with
 `save_pretrained`; the dataset holds one conversation per documented standard-library function: the user
