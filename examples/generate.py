@@ -1,7 +1,7 @@
 """Generate with transformers from a model folder `megatrain export` wrote: the proof it loads as any other.
 
 Where it sits: the last step of the fine-tuning walk-through (docs/FINETUNING.md). Try it:
-`.venv/bin/python examples/generate.py tiny-llama-sft "What does os.path.join do?"` (needs the `hf` extra).
+`.venv/bin/python examples/generate.py out/tiny-llama-sft "What does os.path.join do?"` (needs the `hf` extra).
 """
 
 import sys
