@@ -28,8 +28,11 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 # The default job: the small preset (19.7M params, 75 MiB of fp32 weights) trained on the built-in corpus,
 # streamed through a simulated GPU with a 56 MiB budget, so weights really stream. A few minutes on 2 cores.
 # First this machine is measured at the job's shapes (cached), so the plan's tokens/s is this machine's.
+# Each demo is a new run, and a new run refuses a metrics file holding an earlier run's records: the last
+# demo's is removed first (out/ is the scratch folder git ignores).
 demo: $(VENV)/.installed
 	$(BIN)/megatrain probe --device cpu --model small --seq-len 128 --micro-batch 2 --dtype fp32
+	rm -f out/demo/metrics.jsonl
 	$(BIN)/megatrain train --model small --device sim --gpu-mem 56MiB --dtype fp32 --seq-len 128 \
 		--micro-batch 2 --grad-accum 4 --steps 50 --lr 2e-3 --clip-norm 1.0 --eval-every 10 \
 		--metrics out/demo/metrics.jsonl --trace out/demo/trace.json

@@ -5,13 +5,13 @@ Run: `.venv/bin/python benchmarks/bench_cast.py` (about a minute; `--elements`, 
 
 Each round times, at every thread count, a cast of `--elements` fp32 elements (64 MiB at the default 16M: a
 unit's master, out of cache: a read-only sweep of twice the last-level cache runs first) into a bf16 buffer on
-huge pages (after the sweep, OMP_SETTLE_S for its OpenMP team to stop spinning: megatrain/runtime/host_state.py), the
+huge pages (after the sweep, OMP_SETTLE_S for its OpenMP team to stop spinning: megatrain/runtime/host_adamw.py), the
 way each runs in training: torch's `dst.copy_(src)` with the thread count as its intra-op
 threads, and megatrain/runtime/cast_kernel.py `cast` (the C loop split into that many pieces, the caller taking one).
 Rounds interleave the two and every thread count, so a shared machine's drift moves both alike. Reported per
 thread count and way: the median and the best round in G elements/s, and GB/s of memory traffic at 6 B per
 element (read 4, write 2). The planner prices a load's host cast at the rate the probe measures at the h2d
-worker's thread count (megatrain/planner/probe.py cast_fields: the best of its repeats, as here).
+worker's thread count (megatrain/runtime/machine_probe.py cast_fields: the best of its repeats, as here).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 import torch
 
 from megatrain.runtime import cast_kernel, cpus, host_memory
-from megatrain.runtime.host_state import OMP_SETTLE_S
+from megatrain.runtime.host_adamw import OMP_SETTLE_S
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,7 @@ Run: `.venv/bin/python -m pytest benchmarks/bench_device.py --benchmark-only -o 
 The figures bound how fine-grained a step program can be before the runtime, not the work, dominates.
 """
 
-from megatrain.runtime.device import SimDevice
+from megatrain.runtime.stream_device import SimDevice
 
 N = 2000
 

@@ -37,6 +37,7 @@ from megatrain.planner.costs import CostModel
 from megatrain.planner.plan import PassRecord, Plan
 from megatrain.planner.report import plan_fields
 from megatrain.planner.schedule import Decisions
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.trainer import Trainer
 
 MiB = 2**20
@@ -109,8 +110,8 @@ def main(argv=None) -> int:
                     break
                 except ValueError:
                     continue
-        trainers = {k: Trainer(args.model, SPEC, budget, hardware=hw, device="sim", the_plan=p)
-                    for k, p in plans.items()}
+        run = RunConfig(model=args.model, train=SPEC, gpu_mem=budget, hardware=hw, device="sim")
+        trainers = {k: Trainer(run, plan=p) for k, p in plans.items()}
         times: dict[str, list[float]] = {k: [] for k in trainers}
         try:
             for r in range(args.rounds + 1):

@@ -11,7 +11,7 @@ the one least disturbed).
 - bytes/param: what the step reads and writes once per parameter (HostPolicy.traffic: master 8, gradient,
   both moments in their dtype), the traffic the planner prices;
 - GB/s = bytes/param x params / seconds; bound = the host memory bandwidth `megatrain probe --device cpu`
-  measures (megatrain/planner/probe.py stream_bandwidth: the best streaming in-place update, read + write bytes/s),
+  measures (megatrain/runtime/machine_probe.py stream_bandwidth: the best streaming in-place update, read + write bytes/s),
   measured in this process at the start of every round; the target is GB/s >= 0.8 x bound. `of bound` divides
   the best round's step by the best round's bound; `of its round's bound` divides each round's step by the
   bound measured in the same round (a shared machine's bandwidth drifts between rounds: on the 2-vCPU EPYC
@@ -35,11 +35,12 @@ import time
 
 import torch
 
-from megatrain.planner import probe as probe_module
 from megatrain.planner.host_policy import ORDER, POLICIES
 from megatrain.planner.train import TrainSpec
 from megatrain.runtime import host_kernel, host_memory
-from megatrain.runtime.host_state import OMP_SETTLE_S, Moments, _step, block_unit
+from megatrain.runtime import machine_probe as probe_module
+from megatrain.runtime.host_adamw import OMP_SETTLE_S, Moments
+from megatrain.runtime.host_state import _step, block_unit
 
 CFG = TrainSpec(micro_batch=1, seq_len=8, lr=1e-4, clip_norm=1.0)
 LEGACY_BYTES = 28 + 4 + 8 + 4 + 6

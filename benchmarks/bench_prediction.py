@@ -38,7 +38,8 @@ from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec
 from megatrain.planner.costs import CostModel
 from megatrain.planner.estimate import estimate_time
-from megatrain.planner.probe import probe
+from megatrain.runtime.config import RunConfig
+from megatrain.runtime.machine_probe import probe
 from megatrain.runtime.trainer import Trainer
 from megatrain.runtime.unit_probe import cached_hardware, probe_hardware, probe_threads
 
@@ -111,7 +112,7 @@ def _worker(name: str, threads: int, repeats: int, steps: int) -> None:
     config, spec = _config(model), _spec(mb, seq, accum)
     machine = probe(device="cpu", quick=True)
     hw = _probed(config, spec, machine, repeats)
-    with Trainer(config, spec, budget, hardware=hw, device="sim") as tr:
+    with Trainer(RunConfig(model=config, train=spec, gpu_mem=budget, hardware=hw, device="sim")) as tr:
         if tr.plan.hardware.units is None:
             raise SystemExit(f"{name}: the plan did not use the unit profile")
         run = {"trainer": tr, "ir": _traced(config, spec)}

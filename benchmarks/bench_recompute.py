@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from megatrain.models import StepInputs, init_weights, preset, rope_tables, run_unit, templates, transformer
-from megatrain.models.transformer import template_key
+from megatrain.models import StepInputs, init_weights, preset, rope_tables, run_unit, templates
+from megatrain.models import layers as transformer
+from megatrain.models.units import template_key
 
 
 def _case(model: str, seq: int, chunk: int | None):

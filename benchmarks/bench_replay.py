@@ -29,6 +29,7 @@ from megatrain.models import preset
 from megatrain.planner import InfeasiblePlanError, TrainSpec, hardware_preset
 from megatrain.planner import passes as P
 from megatrain.planner.schedule import Decisions
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.trainer import Trainer
 
 
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
              "no replay": fixed_plan(ir, hw, spec, budget, dataclasses.replace(dec, replay=()))}
     g = torch.Generator().manual_seed(0)
     batch = [tuple(torch.randint(0, config.vocab_size, (1, args.seq), generator=g) for _ in range(2))]
-    trainers = {k: Trainer(config, spec, budget, hardware=hw, device="sim", the_plan=p) for k, p in plans.items()}
+    run = RunConfig(model=config, train=spec, gpu_mem=budget, hardware=hw, device="sim")
+    trainers = {k: Trainer(run, plan=p) for k, p in plans.items()}
     times: dict[str, list[float]] = {k: [] for k in trainers}
     t0 = time.perf_counter()
     try:

@@ -18,7 +18,8 @@ import torch
 
 from megatrain.models import preset
 from megatrain.planner import TrainSpec
-from megatrain.planner.probe import probe
+from megatrain.runtime.config import RunConfig
+from megatrain.runtime.machine_probe import probe
 from megatrain.runtime.reference import EagerTrainer
 from megatrain.runtime.trainer import Trainer
 
@@ -53,7 +54,7 @@ def test_streamed_vs_eager_checkpointed(benchmark):
     batches = _batches(ROUNDS + 1)
     eager = EagerTrainer(preset("small"), SPEC, checkpoint_blocks=True)
     measured_hw = probe(device="cpu", quick=True)
-    with Trainer("small", SPEC, BUDGET, hardware=measured_hw, device="sim") as streamed:
+    with Trainer(RunConfig(model="small", train=SPEC, gpu_mem=BUDGET, hardware=measured_hw, device="sim")) as streamed:
         streamed.train_step(batches[0])  # warm-up both
         eager.step(batches[0])
         s_times, e_times = [], []

@@ -38,6 +38,7 @@ from megatrain.models import preset
 from megatrain.models.hf import hf_config
 from megatrain.planner import TrainSpec
 from megatrain.runtime import engine
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.trainer import Trainer
 
 MiB = 2**20
@@ -87,7 +88,7 @@ class HF:
 
 class Streamed:
     def __init__(self, model: str, budget: int, compile_units: bool = False, full_recompute: bool = False):
-        self.trainer = Trainer(model, SPEC, budget, device="sim", compile_units=compile_units)
+        self.trainer = Trainer(RunConfig(model=model, train=SPEC, gpu_mem=budget, device="sim", compile_units=compile_units))
         self.full_recompute = full_recompute
 
     def steps(self, batch, n: int) -> list[float]:

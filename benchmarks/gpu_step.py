@@ -119,6 +119,7 @@ def plan_case(case: str, args):
 
 def run_case(case: str, args) -> dict:
     from megatrain.runtime import host_kernel
+    from megatrain.runtime.config import RunConfig
     from megatrain.runtime.trainer import HOST_MEM_ENV, Trainer
 
     config, spec, hw, p, row = plan_case(case, args)
@@ -133,7 +134,7 @@ def run_case(case: str, args) -> dict:
     batch = [(torch.randint(0, config.vocab_size, shape, generator=g),
               torch.randint(0, config.vocab_size, shape, generator=g)) for _ in range(spec.grad_accum)]
     t0 = time.perf_counter()
-    t = Trainer(config, spec, p.gpu_budget_bytes, hardware=hw, device=args.device, the_plan=p)
+    t = Trainer(RunConfig(model=config, train=spec, gpu_mem=p.gpu_budget_bytes, hardware=hw, device=args.device), plan=p)
     try:
         setup_s = time.perf_counter() - t0
         _say(f"{case}: host store allocated and pinned in {setup_s:.1f} s")

@@ -32,8 +32,8 @@ def write_folder(model: str, out: Path, shard_bytes: int) -> dict:
     import torch
 
     from megatrain.models import load_model_config
+    from megatrain.models.eager import param_shapes
     from megatrain.models.hf import hf_config, hf_name
-    from megatrain.models.transformer import param_shapes
     from megatrain.runtime.tensorfiles import SafetensorsWriter
 
     config = load_model_config(model)

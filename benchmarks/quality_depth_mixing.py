@@ -27,6 +27,7 @@ import torch
 from quality_runs import BUDGET, train_run, train_spec
 
 from megatrain.models import ModelConfig, preset
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.corpus import cached_default_corpus
 from megatrain.runtime.trainer import Trainer
 
@@ -50,7 +51,8 @@ def speed(variants: list[str], rounds: int, d_model: int = 128) -> dict[str, flo
     g = torch.Generator().manual_seed(0)
     batch = [(torch.randint(0, 256, (8, 128), generator=g), torch.randint(0, 256, (8, 128), generator=g))]
     with ExitStack() as stack:
-        trainers = {v: stack.enter_context(Trainer(model(v, d_model), train, 4 * BUDGET)) for v in variants}
+        trainers = {v: stack.enter_context(Trainer(RunConfig(model=model(v, d_model), train=train, gpu_mem=4 * BUDGET,
+                                                             device="sim"))) for v in variants}
         times: dict[str, list[float]] = {v: [] for v in variants}
         for r in range(rounds + 1):
             for v, t in trainers.items():

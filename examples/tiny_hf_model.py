@@ -5,7 +5,8 @@ it). The tokenizer is a byte-level BPE trained on the Python standard library's 
 with ChatML's special tokens and chat template; the model is a LlamaForCausalLM of random weights saved with
 `save_pretrained`; the dataset holds one conversation per documented standard-library function: the user
 asks what it does, the assistant answers with its docstring's first line.
-Try it: `.venv/bin/python examples/tiny_hf_model.py --out tiny-llama --chat chat.jsonl` (needs the `hf` extra).
+Try it: `.venv/bin/python examples/tiny_hf_model.py --out out/tiny-llama --chat out/chat.jsonl` (needs the `hf`
+extra; out/ is the scratch folder git ignores).
 """
 
 from __future__ import annotations

@@ -17,12 +17,14 @@ flushed as it is written, and a torn last line left by a kill is ended before an
 Checking (`output_path` / `input_path` as argparse types, `check_outputs` before any work): an empty path is
 refused; an output whose target exists and is not a regular file or a link (a FIFO, a device, a folder) is
 refused; an output that is, or lies inside, one of the run's inputs or a checkpoint folder, or that equals
-another output, is refused; each output's folder must be writable now, not after hours of training.
+another output, is refused; each output (an existing file and its folder) must be writable now, not after hours
+of training.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -143,7 +145,8 @@ def _parse(path: Path, data: bytes, kind: str, what: str, error: type[Exception]
 
 
 # -- writing -----------------------------------------------------------------------------------------------------
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder so a rename inside it is durable."""
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:
@@ -174,7 +177,7 @@ def atomic_open(path: str | Path, mode: str = "w", what: str = "") -> Iterator[i
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, out)
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except OSError as e:
         Path(tmp).unlink(missing_ok=True)
         raise ValueError(f"cannot write {label}: {e.strerror or e}; the previous file, if any, is unchanged") from None
@@ -196,6 +199,7 @@ def append_open(path: str | Path, what: str = "") -> Iterator[_AppendLog]:
     each write is the caller's line, flushed when written (line buffering)."""
     out = Path(path)
     label = f"{what} {out}".strip()
+    created = not os.path.lexists(out)
     try:
         if out.is_file() and out.stat().st_size:
             with open(out, "rb") as f:
@@ -206,12 +210,20 @@ def append_open(path: str | Path, what: str = "") -> Iterator[_AppendLog]:
         f = open(out, "a", encoding="utf-8", buffering=1)
     except OSError as e:
         raise ValueError(f"cannot write {label}: {e.strerror or e}; choose a writable path") from None
-    log = _AppendLog(f, label)
+    log = _AppendLog(f, label, created)
     try:
         if torn:
             log.write("\n")
         yield log
-    finally:
+    except BaseException:
+        with contextlib.suppress(OSError):
+            f.close()
+        if created and log.lines == 0:  # a failed first write leaves no empty file behind
+            with contextlib.suppress(OSError):
+                if out.stat().st_size == 0:
+                    out.unlink()
+        raise
+    else:
         f.close()
 
 
@@ -219,14 +231,17 @@ class _AppendLog:
     """An append log's writes: a failure of one of them (a full disk under the log) is one line naming the log;
     what fails in the caller's own work while the log is open is left to the caller."""
 
-    def __init__(self, f: io.TextIOBase, label: str):
-        self._f, self._label = f, label
+    def __init__(self, f: io.TextIOBase, label: str, created: bool = False):
+        self._f, self._label, self._created = f, label, created
+        self.lines = 0  # lines this log wrote whole
 
     def write(self, text: str) -> int:
         try:
-            return self._f.write(text)
+            n = self._f.write(text)
         except OSError as e:
             raise self._error(e) from None
+        self.lines += text.count("\n")
+        return n
 
     def flush(self) -> None:
         try:
@@ -235,7 +250,10 @@ class _AppendLog:
             raise self._error(e) from None
 
     def _error(self, e: OSError) -> ValueError:
-        return ValueError(f"cannot write {self._label}: {e.strerror or e}; the lines written so far are kept")
+        kept = ("the lines written before are kept" if not self._created else
+                f"the {self.lines} line(s) written before are kept" if self.lines else
+                "nothing had been written, and the empty file is removed")
+        return ValueError(f"cannot write {self._label}: {e.strerror or e}; {kept}")
 
 
 def remove_tree(path: Path) -> None:
@@ -285,15 +303,15 @@ def check_cache_writable(folder: Path, what: str) -> None:
 # -- checking ----------------------------------------------------------------------------------------------------
 def input_path(text: str) -> str:
     """argparse type of a path the command reads: refuses an empty one (it would mean "nothing" to some
-    commands and "the current folder" to others)."""
+    commands and "the current folder" to others); `~` is the home folder."""
     if not text or not text.strip():
         raise argparse.ArgumentTypeError("an empty path; pass a file or folder")
-    return text
+    return os.path.expanduser(text)  # `~/x` as a shell would (which leaves `--data=~/x` as it is)
 
 
 def output_path(text: str) -> str:
     """argparse type of a file the command writes (see `check_output_file`)."""
-    input_path(text)
+    text = input_path(text)
     try:
         return str(check_output_file(text))
     except ValueError as e:
@@ -302,7 +320,8 @@ def output_path(text: str) -> str:
 
 def check_output_file(path: str | Path) -> Path:
     """Refuse a target that is not a regular file (a FIFO, a device or a folder; a symbolic link is fine: it
-    is replaced, its target untouched) or whose folder is a file."""
+    is replaced, its target untouched), an existing file this process may not write, or one whose folder is a
+    file."""
     path = Path(path)
     try:
         st = os.lstat(path)
@@ -318,7 +337,23 @@ def check_output_file(path: str | Path) -> Path:
     if not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
         raise ValueError(f"{path} is not a regular file (a FIFO or a device?); outputs are written as files: "
                          "choose another path")
+    if stat.S_ISREG(st.st_mode) and not _replaceable(path, st):
+        raise ValueError(f"cannot write {path}: the file exists and is not writable (permission denied); make "
+                         "it writable, remove it, or choose another path")
     return path
+
+
+def _replaceable(path: Path, st: os.stat_result) -> bool:
+    """Whether this process may replace the existing file `path`: it is writable (a read-only file is one its
+    owner kept from changes), and in a sticky folder (/tmp) it, or the folder, is ours."""
+    if not os.access(path, os.W_OK):
+        return False
+    try:
+        folder = os.stat(path.parent)
+    except OSError:
+        return True  # the folder's own check says what is wrong with it
+    euid = os.geteuid() if hasattr(os, "geteuid") else 0
+    return not (folder.st_mode & stat.S_ISVTX) or euid in (0, st.st_uid, folder.st_uid)
 
 
 def _inside(a: Path, b: Path) -> bool:

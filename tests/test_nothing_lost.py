@@ -30,9 +30,13 @@ TRAIN = ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--
 
 
 def run(argv) -> tuple[int, str, str]:
+    """`megatrain ARGV`, or `megatrain-vab ARGV[1:]` for ["vab", ...]."""
+    from megatrain.cli import vab
+
     out, err = io.StringIO(), io.StringIO()
+    argv = [str(a) for a in argv]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main([str(a) for a in argv])
+        rc = vab.main(argv[1:]) if argv[:1] == ["vab"] else main(argv)
     return rc, out.getvalue(), err.getvalue()
 
 
@@ -114,6 +118,26 @@ def test_a_full_disk_leaves_every_previous_output_byte_for_byte(tmp_path, data, 
         assert rc == 0 and out.read_bytes() != before, (argv, err)
 
 
+def test_an_unwritable_existing_output_is_refused_before_any_work(tmp_path, data, monkeypatch):
+    """A read-only --trace, --plot or --metrics (flag or run file) was found only after training (issue 41):
+    now refused at the start, untouched. Root writes anything, so the permission check is what is faked."""
+    locked = {tmp_path / name for name in ("t.json", "p.svg", "m.jsonl")}
+    for path in locked:
+        path.write_text("mine\n")
+    real = os.access
+    monkeypatch.setattr(files.os, "access", lambda p, mode, **k: (os.fspath(p) not in map(str, locked)
+                                                                 and real(p, mode, **k)))
+    run_file = tmp_path / "run.toml"
+    for flag, name in (("--trace", "t.json"), ("--plot", "p.svg"), ("--metrics", "m.jsonl")):
+        rc, out, err = run([*TRAIN, "--data", data[0], flag, tmp_path / name])
+        one_line(rc, err, str(tmp_path / name), "exists and is not writable")
+        run_file.write_text(f'{flag[2:]} = "{name}"\n')
+        rc, out, err = run([*TRAIN, "--data", data[0], "--config", run_file])
+        one_line(rc, err, f"{flag}: cannot write", "exists and is not writable")
+        assert "settings:" not in out  # nothing planned, nothing trained
+    assert all(p.read_text() == "mine\n" for p in locked)
+
+
 def test_a_symlink_at_an_output_is_replaced_and_its_target_untouched(tmp_path):
     target = tmp_path / "precious.txt"
     target.write_text("do not touch")
@@ -187,7 +211,7 @@ def test_too_little_room_for_one_checkpoint_is_refused_before_training(tmp_path,
     import collections
 
     usage = collections.namedtuple("usage", "total used free")
-    monkeypatch.setattr("megatrain.runtime.trainer.shutil.disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    monkeypatch.setattr("megatrain.runtime.checkpointer.shutil.disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
     ck = tmp_path / "ck"
     one_line(*run([*TRAIN, "--data", data[0], "--checkpoint-every", "1", "--checkpoint-dir", ck])[::2],
              "free where a checkpoint takes", "--checkpoint-dir")
@@ -204,13 +228,45 @@ def test_a_validation_file_too_short_for_one_batch_is_refused_at_start(tmp_path,
     assert not ck.exists() or not [p for p in ck.iterdir() if p.name.startswith("step-")]
 
 
+def test_a_full_disk_under_the_metrics_log_is_one_line_and_leaves_no_empty_file(tmp_path, data, monkeypatch):
+    """ENOSPC at the log's first record: one line naming the log and what is kept, and no 0-byte file left
+    (issue 41); at a later record the lines before stay."""
+    real = open
+
+    class Full:
+        def __init__(self, f, after):
+            self.f, self.after = f, after
+
+        def write(self, text):
+            if self.after <= 0:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.after -= 1
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    for after, kept in ((0, "nothing had been written, and the empty file is removed"),
+                        (1, "the 1 line(s) written before are kept")):
+        metrics = tmp_path / f"m{after}.jsonl"
+        monkeypatch.setattr(files, "open", lambda p, mode="r", *a, n=after, **k: Full(real(p, mode, *a, **k), n)
+                            if "a" in mode else real(p, mode, *a, **k), raising=False)
+        one_line(*run([*TRAIN, "--steps", "3", "--data", data[0], "--metrics", metrics])[::2],
+                 f"cannot write --metrics {metrics}: No space left on device", kept, "no checkpoint")
+        assert metrics.exists() == bool(after) and (not after or len(metrics.read_text().splitlines()) == 1)
+
+
 def test_the_metrics_log_appends_and_ends_a_torn_line(tmp_path, data):
-    metrics = tmp_path / "m.jsonl"
+    # A log is one run's: a new run refuses a file holding records (issue 42), so a run that appends to a torn
+    # log is a resumed one, continuing its own
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    assert run([*TRAIN, "--data", data[0], "--checkpoint-dir", ck, "--checkpoint-every", "2"])[0] == 0
     metrics.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "lo')  # a kill mid-line
-    assert run([*TRAIN, "--data", data[0], "--metrics", metrics])[0] == 0
+    one_line(*run([*TRAIN, "--data", data[0], "--metrics", metrics])[::2], "m.jsonl", "earlier run", "--resume")
+    assert run(["train", "--resume", ck, "--steps", "4", "--metrics", metrics])[0] == 0
     lines = metrics.read_text().splitlines()
     assert lines[:2] == ['{"step": 1, "loss": 1.0}', '{"step": 2, "lo'] and len(lines) == 4
-    assert [json.loads(line)["step"] for line in lines[2:]] == [1, 2]
+    assert [json.loads(line)["step"] for line in lines[2:]] == [3, 4]
 
 
 def test_an_output_naming_an_input_or_another_output_is_refused_and_the_input_untouched(tmp_path, data, ckpt):
@@ -314,6 +370,12 @@ def _edit_manifest(ckpt_dir, tmp_path, name, **changes):
     ({"units": [{"name": "embed", "file": "../../etc/passwd", "params": []}]}, "units.0.file"),
     ({"files": {"x": {"bytes": "many", "sha256": "00"}}}, "files.x.bytes"),
     ({"host_policy": "fp4"}, "host policy 'fp4', which this megatrain does not know"),
+    # validated whole (issue 41): a null or mistyped data position, run record, settings or plan hash
+    ({"data": None}, "data: expected an object, got null"),
+    ({"run": {"device": "sim", "gpu_budget_bytes": "6MiB", "hardware": "cpu", "on_nan": "abort"}},
+     "run.gpu_budget_bytes: Input should be a valid integer"),
+    ({"settings": "lr=1"}, "settings: Input should be a valid dictionary"),
+    ({"plan_sha256": 5}, "plan_sha256: Input should be a valid string"),
 ])
 def test_edited_manifests_are_refused_naming_the_field(tmp_path, data, ckpt, changes, message):
     bad = _edit_manifest(ckpt, tmp_path, "edit", **changes)
@@ -321,6 +383,18 @@ def test_edited_manifests_are_refused_naming_the_field(tmp_path, data, ckpt, cha
              message)
     if "host_policy" not in changes:  # an export reads the fp32 masters alone, whatever holds the moments
         one_line(*run(["export", "--checkpoint", bad, "--out", tmp_path / "w.safetensors"])[::2], message)
+
+
+def test_a_manifest_without_a_data_position_is_not_resumed_with_data(tmp_path, data, ckpt):
+    from megatrain.runtime.checkpoint import _manifest_digest
+
+    bad = _edit_manifest(ckpt, tmp_path, "nodata")
+    for m_path in bad.glob("step-*/manifest.json"):
+        m = json.loads(m_path.read_text())
+        del m["data"]
+        m["manifest_sha256"] = _manifest_digest(m)
+        m_path.write_text(json.dumps(m))
+    one_line(*run([*TRAIN, "--data", data[0], "--resume", bad, "--steps", "3"])[::2], "holds no data position")
 
 
 def test_resuming_on_changed_data_bytes_needs_allow_data_change(tmp_path, data):

@@ -6,7 +6,7 @@ Usage (one system and case per process, as benchmarks/gpu/run.sh runs it, interl
     python -P benchmarks/gpu/peers.py --system fsdp2 --case llama2-7b:8@4096 --out rows.jsonl
     python -P benchmarks/gpu/peers.py --build-cpu-adam --status ds_cpu_adam.txt   # beside the CUDA tests
     python -P benchmarks/gpu/peers.py --choose-case --preflight preflight.json --limit-s 28
-The model is megatrain's own eager model (megatrain/models/transformer.py, build_eager) with its chunked loss, every
+The model is megatrain's own eager model (megatrain/models/eager.py, build_eager) with its chunked loss, every
 block checkpointed (recomputed in the backward, as megatrain's plan recomputes or offloads its units), so the
 FLOPs are the same; fp32 masters, gradients and AdamW moments live on the host, compute is bf16 with fp32
 gradient reduction, every block its own shard group; a step is every micro-batch's forward and backward and

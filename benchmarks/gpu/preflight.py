@@ -2,7 +2,7 @@
 measured on this machine, written as the hardware profile every case then plans with (`--hardware FILE`).
 
 Usage: python -P benchmarks/gpu/preflight.py --profile hw.json --json preflight.json [--host-mem SIZE] [--quick]
-Measured, each the best of a few runs (megatrain/planner/probe.py's helpers where the tree has them, so the figures
+Measured, each the best of a few runs (megatrain/runtime/machine_probe.py's helpers where the tree has them, so the figures
 mean what the planner means by them; a field this tree's profile lacks stays in preflight.json alone):
 - bf16 matmul FLOP/s (8192^3 on the GPU)                            -> matmul_flops.bfloat16
 - pinned host->device and device->host bytes/s (512 MiB)            -> h2d_bytes_per_s, d2h_bytes_per_s
@@ -49,7 +49,7 @@ GPU_BUDGET_SHARE = 0.9  # megatrain's GPU budget: the GPU less a tenth (the CUDA
 
 
 def _best(fn, repeats: int, sync=lambda: None) -> float:
-    from megatrain.planner.probe import _best as best
+    from megatrain.runtime.machine_probe import _best as best
 
     return best(fn, repeats, sync)
 
@@ -96,8 +96,8 @@ def _cores() -> int:
 
 def measure(quick: bool, deadline_s: float = DEADLINE_S) -> tuple[dict, list[str]]:
     """The figures (name -> value) and the names of those left out for time."""
-    from megatrain.planner import probe
     from megatrain.planner.costs import ADAMW_BYTES
+    from megatrain.runtime import machine_probe as probe
 
     got, skipped = {}, []
     sync = torch.cuda.synchronize

@@ -9,24 +9,28 @@ import argparse
 from pathlib import Path
 
 from megatrain.files import check_outputs, input_path
-from megatrain.planner.bytesize import parse_bytes
+from megatrain.models.depth.spec import FORMS
+from megatrain.planner.bytesize import format_bytes, parse_bytes
 from megatrain.planner.hardware import PRESETS, Hardware, resolve_hardware
 from megatrain.planner.train import TrainSpec
 
+NOMINAL = "h100-sxm"  # what hardware auto plans for where no GPU is here and nothing will run (plan, tune, compile)
 
-def add_common_flags(p: argparse.ArgumentParser, default_hardware: str = "h100-sxm") -> None:
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
     """The flags plan, tune, train and compile share."""
     p.add_argument("--model", required=True, type=input_path, help="a preset name (tiny, llama3-70b, ...) or a .json/.toml config")
-    p.add_argument("--hardware", default=default_hardware, type=input_path,
-                   help=f"a preset ({', '.join(PRESETS)}) or a profile JSON from `megatrain probe` "
-                   f"(default {default_hardware})")
+    p.add_argument("--hardware", default="auto", type=input_path,
+                   help=f"a preset ({', '.join(PRESETS)}) or a profile JSON from `megatrain probe`; default auto: "
+                   "this machine (its GPU, or train's sim device the cpu profile; host memory this machine's less "
+                   f"10%%, at least 2 GiB), and where plan, tune or compile find no GPU, the nominal {NOMINAL}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32 (default bf16)")
-    p.add_argument("--clip-norm", type=float, default=None, help="global gradient-norm clip (default: off)")
+    p.add_argument("--clip-norm", type=float, default=None, help="global gradient-norm clip (default: off; 0 "
+                   "turns it off, as under --recipe hf-trainer's 1.0)")
     p.add_argument("--host-mem", metavar="BYTES", help="host memory available, overriding the profile's")
-    p.add_argument("--depth-mixing", metavar="SPEC", help="override the model's depth mixing: residual, "
-                   "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
+    p.add_argument("--depth-mixing", metavar="SPEC", help="override the model's depth mixing: " + FORMS)
     p.add_argument("--host-policy", metavar="auto|NAME", default="auto", type=host_policy_arg,
                    help="how the host holds AdamW state: exact, bf16-moments, bf16, fp8, or auto (default): the "
                    "most exact that fits host memory within 0.5%% measured validation-loss cost")
@@ -53,9 +57,6 @@ def model_config(args: argparse.Namespace):
 
     config = load_model_config(args.model)
     spec = getattr(args, "depth_mixing", None)
-    if spec and Path(args.model).is_dir() and getattr(args, "command", None) == "train":
-        raise ValueError(f"--depth-mixing {spec} would train another model than the weights in {args.model} hold; "
-                         "fine-tune the model as it is, or train a config file with the mixing from scratch")
     return with_depth(config, spec) if spec else config
 
 
@@ -96,12 +97,42 @@ def world_of(args: argparse.Namespace):
 
 
 def hardware_of(args: argparse.Namespace) -> Hardware:
-    hw = resolve_hardware(args.hardware)
+    """The profile of --hardware and --host-mem. auto is this machine's GPU (`train` decides for itself, in
+    runtime/build.py), else the nominal preset; `args.hardware_notes` says where the figures came from."""
+    args.hardware_notes = []
+    if args.hardware == "auto":
+        hw = _this_machine(args)
+    else:
+        hw = resolve_hardware(args.hardware)
+        if args.host_mem is None and args.hardware in PRESETS:
+            args.hardware_notes.append(f"host memory {format_bytes(hw.host_memory_bytes)}: the {hw.name} preset's "
+                                       "(pass --host-mem for the machine that will train)")
     if args.host_mem is not None:
         host = parse_bytes(args.host_mem)
         if host <= 0:
             raise ValueError(f"--host-mem must be a positive size, e.g. 512GiB (the host memory training may use), "
                              f"got {args.host_mem}")
+        hw = hw.replace(host_memory_bytes=host)
+    return hw
+
+
+def _this_machine(args: argparse.Namespace) -> Hardware:
+    import torch
+
+    from megatrain.planner.hardware import hardware_for_device, hardware_preset
+    from megatrain.runtime.build import machine_host_bytes
+
+    if not torch.cuda.is_available():
+        hw = hardware_preset(NOMINAL)
+        args.hardware_notes.append(f"hardware auto: no GPU here, so planned for the nominal {NOMINAL} with its "
+                                   f"{format_bytes(hw.host_memory_bytes)} of host memory (name the target with "
+                                   "--hardware, its host memory with --host-mem)")
+        return hw
+    hw = hardware_for_device("cuda")
+    host = machine_host_bytes()
+    if host is not None and args.host_mem is None:
+        args.hardware_notes.append(f"hardware auto: this machine's {hw.name}, host memory "
+                                   f"{format_bytes(host)} (its memory less 10%, at least 2 GiB, for the system)")
         hw = hw.replace(host_memory_bytes=host)
     return hw
 
@@ -113,7 +144,7 @@ def train_spec(args: argparse.Namespace, micro_batch: int, **fields) -> TrainSpe
     """The TrainSpec of the flags (and `fields`), or one line naming the flag of the first problem."""
     try:
         return TrainSpec(micro_batch=micro_batch, seq_len=args.seq_len, grad_accum=args.grad_accum,
-                         dtype=args.dtype, clip_norm=args.clip_norm, **fields)
+                         dtype=args.dtype, clip_norm=args.clip_norm or None, **fields)  # 0: off, as train's
     except ValueError as e:  # pydantic's ValidationError is a ValueError; keep the first problem, by flag
         errors = getattr(e, "errors", None)
         first = errors()[0] if callable(errors) else {"msg": str(e), "loc": ()}

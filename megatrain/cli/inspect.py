@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from megatrain.models.depth.spec import FORMS
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -26,13 +28,12 @@ def add_parser(sub) -> None:
     p.add_argument("--micro-batch", type=_positive_int, default=1, help="sequences per micro-batch")
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--depth-mixing", metavar="SPEC", help="override the model's depth mixing: residual, "
-                   "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
+    p.add_argument("--depth-mixing", metavar="SPEC", help="override the model's depth mixing: " + FORMS)
     p.set_defaults(func=_cmd_inspect)
 
 
 def _cmd_inspect(args) -> int:
-    from megatrain.ir.display import format_model_ir
+    from megatrain.ir.model_ir import format_model_ir
     from megatrain.ir.trace import trace
     from megatrain.models import load_model_config
 

@@ -157,6 +157,7 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         print("".join(line + "\n" for line in (choice.lines if choice else ())), end="")
         print(format_plan(result, explain=args.explain, program=args.program), end="")
+        print("".join(f"note: {note}\n" for note in args.hardware_notes), end="")
         if rows is not None:
             print("\n" + format_scaling(rows, train, world), end="")
         for path, what in ((args.trace, "trace"), (args.save, "plan"), (args.plot, "plot")):
@@ -217,13 +218,14 @@ def run_tune(args: argparse.Namespace) -> int:
                           format_bytes(r.gpu_budget_bytes), "infeasible", "", "", "", "",
                           f"needs {format_bytes(r.needed_bytes or 0)}")
     print(render(table, width=130), end="")
+    print("".join(f"note: {note}\n" for note in args.hardware_notes), end="")
     if args.plot:
         print(f"wrote plot to {args.plot}")
     return 0
 
 
 def run_probe(args: argparse.Namespace) -> int:
-    from megatrain.planner.probe import probe
+    from megatrain.runtime.machine_probe import probe
 
     check_outputs({"--out": args.out}, {"--model": args.model if args.model and Path(args.model).exists() else None})
     model_only = [flag for flag, value, default in (
@@ -251,7 +253,7 @@ def _probe_model(args: argparse.Namespace) -> Hardware:
 
     from megatrain.planner.display import format_units
     from megatrain.planner.host_policy import resolve
-    from megatrain.planner.probe import probe
+    from megatrain.runtime.machine_probe import probe
     from megatrain.runtime.unit_probe import cached_hardware, probe_hardware, probe_threads
 
     if args.seq_len is None or args.seq_len <= 0:
@@ -283,7 +285,7 @@ def _probe_model(args: argparse.Namespace) -> Hardware:
                         sim_threads=args.sim_threads)
     print(format_units(hw.units), end="")
     if not args.no_cache:
-        from megatrain.planner.profile import cache_path
+        from megatrain.planner.profile_cache import cache_path
 
         print(f"cached as {cache_path(hw.units.key)}: `megatrain train --hardware auto` plans with it")
     return hw

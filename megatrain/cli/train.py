@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -28,25 +28,31 @@ from megatrain.files import (
     write_atomic,
 )
 from megatrain.planner.bytesize import format_bytes, parse_bytes
-from megatrain.planner.train import MAX_STEPS
+from megatrain.planner.train import RECIPES
 
-from .common import add_common_flags, hardware_of, model_config, train_spec, world_of
+from .common import add_common_flags, hardware_of, load_ir, model_config, train_spec, world_of
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t = subparsers.add_parser("train", help="train a model, streamed through a (real or simulated) GPU",
                               description="Plan, compile and run streamed training. Parameters, gradients and "
                               "AdamW states live in host memory; the device holds only what the plan says.")
-    t.add_argument("--config", metavar="RUN.toml", type=input_path, help="a run file holding any of these settings (model, data, "
-                   "optimizer, schedule, budget, checkpointing); flags given here override it")
-    add_common_flags(t, default_hardware="auto")
+    t.add_argument("--config", metavar="RUN.toml", type=_run_file, action=_Once, help="a run file holding any of these "
+                   "settings (model, data, optimizer, schedule, budget, checkpointing); flags given here override it")
+    add_common_flags(t)
     t.add_argument("--device", choices=("sim", "cuda", "auto"), default="auto",
                    help="sim: CPU-backed simulated GPU; cuda: the real one; auto: cuda if present (default)")
     t.add_argument("--gpu-mem", metavar="BYTES", required=True, help="device memory budget, e.g. 40MiB or 80GiB")
     t.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     t.add_argument("--steps", type=int, required=True, help="optimizer steps to run")
+    t.add_argument("--recipe", choices=tuple(RECIPES), help="a whole set of optimizer defaults: megatrain "
+                   "(default: pretraining's, as listed here) or hf-trainer (the Hugging Face Trainer's: lr 5e-5, "
+                   "linear to 0, no warmup and HF's warmup ramp, weight decay 0, betas 0.9,0.999, clip 1.0); "
+                   "flags given override it (docs/FINETUNING.md maps TrainingArguments to flags)")
     t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate (default 3e-4)")
     t.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10%% of --steps)")
+    t.add_argument("--warmup-style", choices=("megatrain", "hf"), help="the warmup ramp at step s (0-based) of W: "
+                   "megatrain lr*(s+1)/W (default), or hf lr*s/W as transformers' schedulers (the first step at lr 0)")
     t.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay, on weight "
                    "matrices only (not norms, biases or depth-mixing coefficients; default 0.1)")
     t.add_argument("--betas", default="0.9,0.95", metavar="B1,B2", help="AdamW betas (default 0.9,0.95)")
@@ -68,7 +74,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(default), or --no-pack: one example per sequence, padded")
     t.add_argument("--eval-every", type=int, default=0, help="validation loss every N steps (default: off)")
     t.add_argument("--log-every", type=int, default=1, help="log a metrics record every N steps (default 1)")
-    t.add_argument("--metrics", metavar="FILE", type=output_path, help="append one JSON record per logged step to FILE")
+    t.add_argument("--metrics", metavar="FILE", type=output_path, help="write one JSON record per logged step to "
+                   "FILE (a new file: a new run refuses one holding an earlier run's records; --resume appends)")
+    t.add_argument("--tensorboard", metavar="DIR", type=input_path, help="also write the metrics records as "
+                   "TensorBoard scalars into DIR (`tensorboard --logdir DIR`; needs the tensorboard extra)")
     t.add_argument("--trace", metavar="FILE", type=output_path, help="write the measured timeline as a Chrome/Perfetto trace")
     t.add_argument("--plot", metavar="FILE", type=output_path, help="draw the last step as measured beside the plan's prediction "
                    "(.png or .svg): device buffers over time above the busy intervals of each stream")
@@ -80,7 +89,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--keep-checkpoints", type=int, default=3, metavar="K",
                    help="keep the last K checkpoints, deleting older ones (default 3)")
     t.add_argument("--resume", metavar="DIR", type=input_path, help="continue from a checkpoint folder, or the latest one in a "
-                   "--checkpoint-dir; --steps is the run's total, so pass the same settings as the first run")
+                   "--checkpoint-dir, with the settings it was trained with (its manifest's); flags given override "
+                   "them: --steps is the run's total (a larger one extends the run), --lr its new peak")
     t.add_argument("--allow-data-change", action="store_true", help="with --resume: continue although the data "
                    "file's bytes differ from the checkpoint's record of them (a deliberate switch of data)")
     t.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -97,6 +107,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--on-nan", choices=("abort", "skip"), default="abort",
                    help="a NaN/inf loss or gradient: abort (default: stop, keep the last checkpoint) or skip "
                    "(apply no update for that step, log it, go on)")
+    t.add_argument("--profile", choices=("auto", "off"), help="auto: plan with this machine's cached probe of the "
+                   "model's units when one exists (`megatrain probe --model`); off: the --hardware profile as given "
+                   "(default: auto with --hardware auto, else off)")
+    _settings_flags(t)
     t.set_defaults(func=run_train)
 
     c = subparsers.add_parser("compile", help="plan a step and write it as a Python step program",
@@ -125,83 +139,77 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(a .safetensors --out only; the way out for models with no Hugging Face equivalent)")
     e.add_argument("--max-shard-size", metavar="BYTES", default="5GB",
                    help="largest safetensors shard of a model folder (default 5GB, as transformers)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace an existing folder megatrain did not export (never a Hugging Face cache snapshot)")
     e.set_defaults(func=run_export)
 
 
-def _data_paths(args) -> tuple[str, str | None]:
-    if args.data:
-        _need(args.val_data or not args.eval_every, f"--eval-every {args.eval_every} with --data needs --val-data FILE "
+def _run_file(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("--config needs a run file, e.g. --config run.toml")
+    return input_path(text)
+
+
+class _Once(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            raise ValueError(f"{option_string} is given twice; pass one run file")
+        setattr(namespace, self.dest, values)
+
+
+def _settings_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that are settings default to None and none is required: a run file may set them, and the
+    RunConfig holds their defaults and says which are missing."""
+    from megatrain.runtime.config import schema
+
+    names = schema()
+    for action in parser._actions:
+        if action.dest in names:
+            action.default, action.required = None, False
+
+
+def run_config(args: argparse.Namespace):
+    """The RunConfig of `--config FILE` with the flags given laid over it; a problem names the flag."""
+    from megatrain.runtime.config import RunConfig, schema
+    from megatrain.runtime.runfile import read_run_file
+
+    settings = read_run_file(args.config) if args.config else {}
+    settings.update({k: v for k, v in vars(args).items() if k in schema() and v is not None})
+    if settings.get("resume"):  # the checkpoint's own settings, under the run file's and the flags'
+        from megatrain.runtime.checkpointer import stored_settings
+
+        settings = {**{k.replace("-", "_"): v for k, v in stored_settings(settings["resume"]).items()}, **settings}
+        settings.setdefault("allow_schedule_change", True)  # --steps or --lr given on a resume: a change asked for
+    cfg = RunConfig.from_settings(settings)
+    _need(cfg.checkpoint_dir is None or cfg.checkpoint_every > 0, f"--checkpoint-dir {cfg.checkpoint_dir} without "
+          "--checkpoint-every N would write no checkpoint: add --checkpoint-every N (a save every N steps and "
+          "after the last)")
+    data, val = _data_paths(cfg)
+    ckpt_dir = cfg.checkpoint_dir
+    if ckpt_dir is None and cfg.checkpoint_every:  # new checkpoints go next to the one resumed from
+        from megatrain.runtime.checkpoint import find_checkpoint
+
+        ckpt_dir = str(find_checkpoint(cfg.resume).parent) if cfg.resume else "checkpoints"
+    return cfg.replace(data=data, val_data=val, checkpoint_dir=ckpt_dir)
+
+
+def _data_paths(cfg) -> tuple[str, str | None]:
+    if cfg.data:
+        _need(cfg.val_data or not cfg.eval_every, f"--eval-every {cfg.eval_every} with --data needs --val-data FILE "
               "(held-out tokens of the same data; `megatrain prepare` writes train.bin and val.bin)")
-        return args.data, args.val_data
+        return cfg.data, cfg.val_data
     from megatrain.runtime.corpus import cached_default_corpus
 
     # a model folder with its own tokenizer trains on the default corpus tokenized with it
-    model = Path(args.model)
-    tokenizer = model if model.is_dir() and (model / "tokenizer.json").is_file() else None
+    model = Path(cfg.model) if isinstance(cfg.model, str) else None
+    tokenizer = model if model and model.is_dir() and (model / "tokenizer.json").is_file() else None
     train_path, val_path = cached_default_corpus(tokenizer=tokenizer)
-    return str(train_path), args.val_data or str(val_path)
-
-
-def _device_and_hardware(args) -> tuple[str, object]:
-    """Resolve --device auto and --hardware auto: the sim device plans with the `cpu` profile, a GPU with the
-    preset its name matches, else the user is asked for a measured profile (planner.hardware_for_device); with
-    auto the Trainer also looks for a cached `probe --model` profile (`args.profile`)."""
-    import torch
-
-    from megatrain.planner.hardware import hardware_for_device
-
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "sim"
-    _need(device != "cuda" or torch.cuda.is_available(),
-          "--device cuda but torch sees no CUDA device; run on a GPU machine or use --device sim")
-    # auto also plans with a cached probe of this machine's units when one exists (runtime/unit_probe.py)
-    args.profile = "auto" if args.hardware == "auto" else "off"
-    if args.hardware == "auto":
-        args.hardware = hardware_for_device(device).name  # a preset name: --host-mem still applies below
-    return device, hardware_of(args)
+    return str(train_path), cfg.val_data or str(val_path)
 
 
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
-
-
-def _check_train_flags(args: argparse.Namespace) -> None:
-    """Ranges argparse's types do not check, each answered with the flag and what it accepts."""
-    _need(args.steps > 0, f"--steps must be a positive integer (the run's total steps), got {args.steps}")
-    _need(args.micro_batch > 0, f"--micro-batch must be a positive integer, got {args.micro_batch}")
-    _need(args.grad_accum > 0, f"--grad-accum must be a positive integer, got {args.grad_accum}")
-    _need(args.seq_len > 0, f"--seq-len must be a positive integer, got {args.seq_len}")
-    _need(args.log_every > 0, f"--log-every must be a positive integer, got {args.log_every}")
-    _need(args.eval_every >= 0, f"--eval-every must be >= 0 (0: no validation), got {args.eval_every}")
-    _need(args.warmup is None or 0 <= args.warmup, f"--warmup must be >= 0 steps, got {args.warmup}")
-    _need(args.warmup is None or args.warmup <= args.steps, f"--warmup {args.warmup} is longer than the run (--steps "
-          f"{args.steps}): the learning rate would never reach --lr; lower --warmup or raise --steps")
-    _need(0 <= args.seed < 2**63, f"--seed must be an integer in [0, 2**63), got {args.seed}")
-    _need(math.isfinite(args.lr) and args.lr > 0, f"--lr must be a finite number > 0, e.g. 3e-4, got {args.lr}")
-    _need(math.isfinite(args.weight_decay) and args.weight_decay >= 0,
-          f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
-    _need(math.isfinite(args.eps) and args.eps > 0, f"--eps must be a finite number > 0, got {args.eps}")
-    _need(0 <= args.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {args.min_lr_ratio}")
-    _need(0 < args.decay_fraction <= 1, f"--decay-fraction must be in (0, 1], got {args.decay_fraction}")
-    _need(args.clip_norm is None or (not math.isnan(args.clip_norm) and args.clip_norm > 0),
-          f"--clip-norm must be > 0 (omit it to turn clipping off), got {args.clip_norm}")
-    _need(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0 (0: off), got {args.checkpoint_every}")
-    _need(args.keep_checkpoints > 0, f"--keep-checkpoints must be >= 1, got {args.keep_checkpoints}")
-    for flag in ("steps", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "warmup"):
-        value = getattr(args, flag)
-        _need(value is None or value <= MAX_STEPS, f"--{flag.replace('_', '-')} must be at most {MAX_STEPS:,} "
-              f"(a larger value is a typo), got {value}")
-
-
-def _betas(text: str) -> tuple[float, float]:
-    try:
-        b1, b2 = (float(x) for x in str(text).split(","))
-    except ValueError:
-        raise ValueError(f"--betas {text!r} must be two numbers, e.g. 0.9,0.95") from None
-    _need(0 <= b1 < 1 and 0 <= b2 < 1, f"--betas must each lie in [0, 1), got {text}")
-    return b1, b2
 
 
 def _check_checkpoint_dir(ckpt_dir: str, inputs: dict) -> None:
@@ -215,27 +223,29 @@ def _check_checkpoint_dir(ckpt_dir: str, inputs: dict) -> None:
 
 def run_train(args: argparse.Namespace) -> int:
     """`megatrain train`, on one process or as one rank of torchrun's world."""
+    from megatrain.runtime.build import device_kind
     from megatrain.runtime.distributed import Communicator, world_from_env
 
+    cfg = run_config(args)
     size = world_from_env()
-    _need(all(v is None or v > 0 for v in (args.nproc, args.nnodes)),
-          f"--nproc and --nnodes must be positive integers, got {args.nproc} and {args.nnodes}")
-    _need(math.isfinite(args.dist_timeout) and args.dist_timeout > 0,
-          f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}")
-    want = (args.nproc or 1, args.nnodes or 1)
+    _need(all(v is None or v > 0 for v in (cfg.nproc, cfg.nnodes)),
+          f"--nproc and --nnodes must be positive integers, got {cfg.nproc} and {cfg.nnodes}")
+    want = (cfg.nproc or 1, cfg.nnodes or 1)
     if size <= 1:
         _need(want == (1, 1), f"--nproc {want[0]} --nnodes {want[1]} trains several ranks: launch them with torchrun "
               f"--nnodes {want[1]} --nproc-per-node {want[0] // want[1]} -m megatrain train ... (one process per GPU)")
-        return _run_train(args, *_device_and_hardware(args))
+        device_kind(cfg.device)  # --device cuda without one is refused before any work
+        return _run_train(cfg, args.config)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", size))
-    _need(args.nproc in (None, size) and args.nnodes in (None, size // max(local, 1)),
-          f"--nproc {args.nproc} --nnodes {args.nnodes} but torchrun started {size} rank(s) on "
+    _need(cfg.nproc in (None, size) and cfg.nnodes in (None, size // max(local, 1)),
+          f"--nproc {cfg.nproc} --nnodes {cfg.nnodes} but torchrun started {size} rank(s) on "
           f"{size // max(local, 1)} node(s): drop the flags or make them agree")
-    device, hardware = _device_and_hardware(args)
-    comm = Communicator.from_env(device, timeout_s=args.dist_timeout)
+    comm = Communicator.from_env(device_kind(cfg.device), timeout_s=cfg.dist_timeout)
     try:
         with comm.guard():  # publishes this rank's failure for the others first
-            code = _run_train(args, device, hardware, comm)
+            code = _run_train(cfg, args.config, comm)
+            if code > 128:  # stopped by a signal, every rank after the same step: nothing left to wait for
+                comm.exit_stopped(code)
             comm.close()
     except BaseException:
         comm.shutdown()
@@ -243,58 +253,39 @@ def run_train(args: argparse.Namespace) -> int:
     return code
 
 
-def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> int:
+def _run_train(cfg, run_file: str | None, comm=None) -> int:
     from megatrain.runtime.distributed import UNVERIFIED_NCCL
-    from megatrain.runtime.runfile import effective_settings
     from megatrain.runtime.trainer import Preempted, Trainer
 
     def say(*a, **kw):  # rank 0 speaks for the world
         if comm is None or comm.rank == 0:
             print(*a, **kw)
 
-    if comm is not None and comm.rank != 0:  # rank 0 writes the run's outputs (the Trainer: its metrics)
-        args.trace = args.plot = None
-
-    _check_train_flags(args)
-    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 10)
-    spec = train_spec(args, args.micro_batch, lr=args.lr, warmup_steps=warmup, total_steps=args.steps,
-                  weight_decay=args.weight_decay, seed=args.seed, betas=_betas(args.betas), eps=args.eps,
-                  schedule=args.schedule, min_lr_ratio=args.min_lr_ratio, decay_fraction=args.decay_fraction)
-    budget = parse_bytes(args.gpu_mem)
-    ckpt_dir = args.checkpoint_dir
-    _need(ckpt_dir is None or args.checkpoint_every > 0, f"--checkpoint-dir {ckpt_dir} without --checkpoint-every N "
-          "would write no checkpoint: add --checkpoint-every N (a save every N steps and after the last)")
-    if ckpt_dir is None and args.resume:  # new checkpoints go next to the one resumed from
-        from megatrain.runtime.checkpoint import find_checkpoint
-
-        ckpt_dir = str(find_checkpoint(args.resume).parent)
-    if ckpt_dir is None and args.checkpoint_every:
-        ckpt_dir = "checkpoints"
-    data, val = _data_paths(args)
-    inputs = {"--data": data, "--val-data": val, "--config": getattr(args, "config", None), "--resume": args.resume,
-              "--model": args.model if Path(args.model).exists() else None,
-              "--hardware": args.hardware if Path(args.hardware).exists() else None}
-    check_outputs({"--metrics": args.metrics, "--trace": args.trace, "--plot": args.plot}, inputs,
-                  {"--checkpoint-dir": ckpt_dir})
-    _check_metrics_file(args.metrics)
-    if args.plot:
+    # rank 0 writes the run's outputs (the Trainer: its metrics)
+    trace, plot = (cfg.trace, cfg.plot) if comm is None or comm.rank == 0 else (None, None)
+    ckpt_dir = cfg.checkpoint_dir
+    model = cfg.model if isinstance(cfg.model, str) else None
+    hardware = cfg.hardware if isinstance(cfg.hardware, str) else None
+    inputs = {"--data": cfg.data, "--val-data": cfg.val_data, "--config": run_file, "--resume": cfg.resume,
+              "--model": model if model and Path(model).exists() else None,
+              "--hardware": hardware if hardware and Path(hardware).exists() else None}
+    check_outputs({"--metrics": cfg.metrics, "--trace": trace, "--plot": plot}, inputs, {"--checkpoint-dir": ckpt_dir})
+    _check_metrics_file(cfg.metrics)
+    if plot:
         from megatrain.plots import check_plot_path
 
-        check_plot_path(args.plot)
-    if ckpt_dir and args.checkpoint_every:
+        check_plot_path(plot)
+    if cfg.tensorboard and (comm is None or comm.rank == 0):
+        from megatrain.runtime.metrics import tensorboard_writer
+
+        tensorboard_writer(check_only=True)
+        writable_dir(cfg.tensorboard, "--tensorboard")
+    if ckpt_dir and cfg.checkpoint_every:
         _check_checkpoint_dir(ckpt_dir, inputs)
         writable_dir(ckpt_dir, "--checkpoint-dir")
-    _need(args.sim_threads is None or args.sim_threads > 0,
-          f"--sim-threads must be a positive integer, got {args.sim_threads}")
-    settings = effective_settings(args)
-    say("settings: " + ", ".join(f"{k}={v}" for k, v in settings.items()))
-    model = model_config(args)  # a model folder is passed as the folder: the Trainer loads its weights
-    with Trainer(args.model if Path(args.model).is_dir() else model, spec, budget, hardware=hardware,
-                 device=device, data=data, val_data=val, metrics_path=args.metrics, checkpoint_dir=ckpt_dir,
-                 checkpoint_every=args.checkpoint_every, keep_checkpoints=args.keep_checkpoints,
-                 resume=args.resume, on_nan=args.on_nan, pack=args.pack, settings=settings,
-                 allow_data_change=args.allow_data_change, host_policy=args.host_policy, comm=comm,
-                 profile=args.profile, sim_threads=args.sim_threads, compile_units=args.compile_units) as trainer:
+    say("settings: " + ", ".join(f"{k}={_text(v)}" for k, v in cfg.settings().items()))
+    steps = cfg.train.total_steps
+    with Trainer(cfg, comm=comm) as trainer:
         p = trainer.plan
         if trainer.profile_note:
             say(trainer.profile_note)
@@ -305,40 +296,43 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
             if comm.backend == "nccl":
                 say(f"note: {UNVERIFIED_NCCL}")
         say(f"{p.ir.model}: {p.ir.params_total:,} params streamed through a {trainer.device.kind} device with "
-              f"a {format_bytes(budget)} budget ({p.n_slots} parameter slot(s); planned device peak "
+              f"a {format_bytes(cfg.gpu_mem)} budget ({p.n_slots} parameter slot(s); planned device peak "
               f"{format_bytes(trainer.planned_peak_device_bytes)}; host {format_bytes(trainer.store.host_bytes())} "
               f"under host policy {p.host_policy})"
               + (f"; units tiled in chunks of {p.ir.chunk_tokens:,} tokens" if p.ir.chunk_tokens else ""))
-        if args.on_nan == "skip" and args.clip_norm is None:
+        if cfg.on_nan == "skip" and cfg.train.clip_norm is None:
             say("--on-nan skip: each step's host optimizer starts once every gradient has landed (a global "
                   "finiteness check), as with --clip-norm")
         if trainer.resumed_from:
             note = (" under a different step program (the results do not depend on it)" if trainer.plan_changed
                     else "")
-            say(f"resumed from {trainer.resumed_from} at step {trainer.step} of {args.steps}{note}")
-            if trainer.step >= args.steps:
-                say(f"nothing left to train: the checkpoint is at step {trainer.step} of --steps {args.steps}")
-                unwritten = [flag for flag, path in (("--trace", args.trace), ("--plot", args.plot)) if path]
+            say(f"resumed from {trainer.resumed_from} at step {trainer.step} of {steps}{note}")
+            for line in _resume_changes(trainer):
+                say(line)
+            if trainer.step >= steps:
+                say(f"nothing left to train: the checkpoint is at step {trainer.step} of --steps {steps}; a larger "
+                    "--steps extends the run")
+                unwritten = [flag for flag, path in (("--trace", trace), ("--plot", plot)) if path]
                 if unwritten:
                     say(f"{' and '.join(unwritten)} not written: they draw the steps this run takes, and it takes "
                         "none; raise --steps")
                 return 0
-        if args.trace or args.plot:
+        if trace or plot:
             trainer.engine.start_timeline()
         try:
-            records = trainer.run(args.steps - trainer.step, log_every=args.log_every, eval_every=args.eval_every,
-                                  progress=not args.no_progress)
-        except Preempted as stop:
-            say(f"error: {stop}", file=sys.stderr, flush=True)
+            records = trainer.run(steps - trainer.step)
+        except Preempted as stop:  # each rank says so (under torchrun, its rank named)
+            rank = f"rank {comm.rank}: " if comm is not None else ""
+            print(f"error: {rank}{stop}", file=sys.stderr, flush=True)
             return stop.exit_code
-        spans = trainer.engine.measured_spans() if args.trace or args.plot else []
-        if args.trace:
-            from .timeline import write_measured_trace
+        spans = trainer.engine.measured_spans() if trace or plot else []
+        if trace:
+            from megatrain.runtime.timeline import write_measured_trace
 
-            n = write_measured_trace(spans, args.trace, f"megatrain train: {p.ir.model} on {trainer.device.kind}")
-            say(f"wrote {n} spans to {args.trace}")
-        if args.plot:
-            _plot_run(p, spans, args.plot)
+            n = write_measured_trace(spans, trace, f"megatrain train: {p.ir.model} on {trainer.device.kind}")
+            say(f"wrote {n} spans to {trace}")
+        if plot:
+            _plot_run(p, spans, plot)
         if trainer.last_checkpoint and trainer.last_checkpoint != trainer.resumed_from:
             say(f"checkpoint: {trainer.last_checkpoint}")
         if trainer.events:
@@ -348,13 +342,35 @@ def _run_train(args: argparse.Namespace, device: str, hardware, comm=None) -> in
         first = records[0] if records else {}
         if records:
             say(json.dumps({"first_loss": round(first["loss"], 4), "last_loss": round(last["loss"], 4),
-                              "val_loss": last.get("val_loss"), "tokens_per_s": round(last["tokens_per_s"], 1),
+                              "val_loss": last.get("val_loss"),
+                              # the median: a step's own rate swings with what else the machine does
+                              "tokens_per_s": round(statistics.median(r["tokens_per_s"] for r in records), 1),
                               "predicted_tokens_per_s": round(p.train.tokens_per_step / p.step_time_s, 1),
                               "time_to_first_step_s": round(trainer.time_to_first_step_s, 3),
                               "predicted_time_to_first_step_s": round(p.time_to_first_step_s, 3),
                               "peak_device_bytes": last["peak_device_bytes"],
                               "planned_peak_device_bytes": last["planned_peak_device_bytes"]}))
     return 0
+
+
+def _resume_changes(trainer) -> list[str]:
+    """One line per setting a resume changed (runtime/checkpointer.py CHANGEABLE): what the schedule does now."""
+    from megatrain.runtime.optim import lr_at
+
+    t, step, out = trainer.train, trainer.step, []
+    nxt = f"step {step + 1}'s learning rate is {lr_at(t, step):.4g}" if step < t.total_steps else "no step is left"
+    if "total_steps" in trainer.checkpoints.changes:
+        was = trainer.checkpoints.changes["total_steps"][0]
+        out.append(f"{'extended' if t.total_steps > was else 'shortened'}: the run now ends at step {t.total_steps} "
+                   f"(was {was}); the {t.schedule} schedule's new length is {t.total_steps} steps, so {nxt}")
+    if "lr" in trainer.checkpoints.changes:
+        was = trainer.checkpoints.changes["lr"][0]
+        out.append(f"learning rate changed: peak {t.lr:g} (was {was:g}) from step {step + 1} on; {nxt}")
+    return out
+
+
+def _text(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def _plot_run(plan, spans: list[tuple], path: str) -> None:
@@ -422,7 +438,7 @@ def run_export(args: argparse.Namespace) -> int:
           f"the folder {args.out}")
     writable_dir(str(Path(args.out).parent), "--out", what=f"--out {args.out}")
     result = export_model_dir(args.checkpoint, args.out, dtype=args.dtype,
-                              max_shard_bytes=parse_bytes(args.max_shard_size))
+                              max_shard_bytes=parse_bytes(args.max_shard_size), overwrite=args.overwrite)
     print(f"wrote {result['architecture']} to {args.out}: {result['tensors']} tensors ({result['params']:,} "
           f"parameters, {args.dtype}, {format_bytes(result['bytes'])} in {result['shards']} shard(s)), "
           f"{', '.join(f for f in result['files'] if not f.startswith('model'))}; from {result['checkpoint']} "
@@ -433,7 +449,6 @@ def run_export(args: argparse.Namespace) -> int:
 def run_compile(args: argparse.Namespace) -> int:
     from megatrain.codegen import emit
     from megatrain.planner import plan
-    from megatrain.planner.cli import _load_ir
 
     check_outputs({"-o": args.out}, {"--model": args.model if Path(args.model).exists() else None,
                                      "--hardware": args.hardware if Path(args.hardware).exists() else None})
@@ -441,7 +456,7 @@ def run_compile(args: argparse.Namespace) -> int:
     hw = hardware_of(args)
     spec = train_spec(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
-    result = plan(_load_ir(model_config(args), spec, hw), hw, spec, budget, host_policy=args.host_policy,
+    result = plan(load_ir(model_config(args), spec, hw), hw, spec, budget, host_policy=args.host_policy,
                   world=world_of(args))
     out = Path(args.out)
     write_atomic(out, emit(result), "-o")

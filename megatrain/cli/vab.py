@@ -37,17 +37,28 @@ from megatrain.vab.tasks import load_tasks, write_tasks
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
+    from .app import integer
+
     try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
+        return tuple(integer(x) for x in text.split(",") if x.strip())
+    except (ValueError, argparse.ArgumentTypeError):
         raise VabError(f"{what} {text!r} is not a comma list of integers; write e.g. 2,3,4") from None
 
 
-def _floats(text: str, what: str) -> tuple[float, ...]:
+def _floats(text: str, what: str, most: float = 86_400) -> tuple[float, ...]:
+    """A comma list of finite numbers in [0, `most`], in ASCII digits (a delay of inf or 1e308 seconds would
+    overflow the sleep that waits it)."""
+    from .app import number
+
     try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError:
+        values = tuple(number(x) for x in text.split(",") if x.strip())
+    except (ValueError, argparse.ArgumentTypeError):
         raise VabError(f"{what} {text!r} is not a comma list of numbers; write e.g. 2,5,15") from None
+    bad = next((v for v in values if not 0 <= v <= most), None)  # nan fails both comparisons
+    if bad is not None:
+        raise VabError(f"{what} {text!r}: each value must be a number of seconds in [0, {most:,g}], got {bad}; "
+                       "write e.g. 2,5,15")
+    return values
 
 
 def _bounded(**values: int | float | None) -> None:
@@ -158,7 +169,7 @@ def cmd_agreement(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """`megatrain-vab` and its subcommands."""
-    from . import Parser
+    from .app import Parser
 
     vab = Parser(prog="megatrain-vab", description="Visual Aesthetic Benchmark: set-based evaluation of judges "
                  "(docs/VAB.md).")
@@ -223,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """`megatrain-vab ...`, with the CLI's error convention: a user error prints `error: <message>`, returns 2."""
-    from . import run
+    from .app import run
 
     return run(build_parser, sys.argv[1:] if argv is None else argv)
 

@@ -1,7 +1,9 @@
 """Codegen: render a Program as a straight-line Python step program, and load it back.
 
 Where it sits: planner -> Plan -> `emit(plan)` -> source -> `load(source).step(rt, batch, lr)` on the engine
-(runtime/engine.py). Try it: `megatrain compile --model tiny --hardware cpu --gpu-mem 4MiB --seq-len 64
+(runtime/engine.py); an evaluation program (planner/evaluation.py) renders as `evaluate(rt, batch)`. Each
+instruction's operands are `Instr.operands()`, what the instruction prints, so the listing and the code agree;
+the live bytes in the comments are the planner's memory walk (planner/timeline.py). Try it: `megatrain compile --model tiny --hardware cpu --gpu-mem 4MiB --seq-len 64
 --micro-batch 2 -o step.py`.
 
 Safety: every identifier placed in the source is checked against a strict pattern and written with repr();
@@ -20,6 +22,7 @@ import jinja2
 from megatrain import __version__
 from megatrain.ir.display import format_bytes
 from megatrain.ir.program import Instr, OpName, Program
+from megatrain.planner.timeline import live_bytes
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.:#\-]{0,127}$")
 _OPS = set(OpName.__args__)  # type: ignore[attr-defined]
@@ -46,41 +49,27 @@ def _int(value: Any, what: str) -> str:
     return str(value)
 
 
+def _operand(name: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return repr(value)
+    if isinstance(value, int):
+        return _int(value, name)
+    return _ident(value, name)
+
+
 def statement(i: int, ins: Instr, cross_step: bool) -> str:
-    """The one line of Python for instruction `i`."""
+    """The one line of Python for instruction `i`: its operands as `Instr.operands()` gives them (what prints),
+    the first of unit, buffer or event positional, the rest by name."""
     if ins.op not in _OPS:
         raise CodegenError(f"unknown op {ins.op!r}")
     args = [str(i)]
     if ins.op in ("record", "wait"):
-        args += [_ident(ins.stream, "stream"), _ident(ins.event, "event")]
-        if ins.op == "wait" and cross_step:
-            args.append("previous_step=True")
-    elif ins.op in ("alloc", "free", "offload_act", "load_act"):
-        args.append(_ident(ins.buffer, "buffer"))
-    elif ins.op == "clip_grads":
-        pass
-    else:
-        args.append(_ident(ins.unit, "unit"))
-        if ins.op in ("load_params", "forward", "backward", "all_gather"):
-            args.append(f"slot={_int(ins.slot, 'slot')}")
-        if ins.op in ("backward", "store_grads", "reduce_scatter", "all_reduce"):
-            args.append(f"grad_slot={_int(ins.grad_slot, 'grad_slot')}")
-        if ins.op in ("forward", "backward"):
-            args.append(f"mb={_int(ins.mb, 'mb')}")
-        if ins.keep_graph:
-            args.append("keep_graph=True")
-        if ins.accumulate:
-            args.append("accumulate=True")
-        if ins.rebuild:
-            args.append("rebuild=True")
-        if ins.replay:
-            args.append("replay=True")
-        if ins.norm:
-            args.append("norm=True")
-        if ins.shard:
-            args.append("shard=True")
-        if ins.op in ("store_grads", "optimizer_step") and ins.host_grad is not None:
-            args.append(f"host_grad={_int(ins.host_grad, 'host_grad')}")
+        args.append(_ident(ins.stream, "stream"))
+    for k, (name, value) in enumerate(ins.operands()):
+        text = _operand(name, value)
+        args.append(text if k == 0 and name in ("unit", "buffer", "event") else f"{name}={text}")
+    if ins.op == "wait" and cross_step:
+        args.append("previous_step=True")
     return f"rt.{ins.op}({', '.join(args)})"
 
 
@@ -97,25 +86,6 @@ def cross_step_waits(program: Program) -> set[int]:
                 raise CodegenError(f"instruction {i} waits for event {ins.event!r} that is never recorded")
             if first_record[ins.event] > i:
                 out.add(i)
-    return out
-
-
-def live_bytes(program: Program) -> list[int]:
-    """Device buffer bytes live after each instruction (compute-stream allocation, see ir/README.md)."""
-    sizes = {b.name: b.nbytes for b in program.buffers}
-    live = sum(b.nbytes for b in program.buffers if b.static)
-    alive: set[str] = set()
-    out = []
-    for ins in program.instrs:
-        if ins.stream == "compute":
-            for name in (*((ins.buffer,) if ins.op == "alloc" else ()), *ins.writes):
-                if name in sizes and name not in alive and not program.buffer(name).static:
-                    alive.add(name)
-                    live += sizes[name]
-            if ins.op == "free" and ins.buffer in alive:
-                alive.discard(ins.buffer)
-                live -= sizes[ins.buffer]
-        out.append(live)
     return out
 
 
@@ -143,7 +113,7 @@ def emit(plan_or_program, title: str | None = None, summary: list[str] | None = 
             raise CodegenError("header lines must be single lines")
     return _env.get_template("step.py.j2").render(
         version=__version__, title=title, summary=summary, passes=passes,
-        n_micro_batches=program.n_micro_batches, statements=statements)
+        n_micro_batches=program.n_micro_batches, statements=statements, purpose=program.purpose)
 
 
 def _plan_title(plan) -> str:
@@ -165,10 +135,11 @@ def _plan_summary(plan) -> list[str]:
 
 
 def load(source: str, name: str = "megatrain_step") -> types.ModuleType:
-    """Compile generated source into a module exposing `step(rt, batch, lr)`."""
+    """Compile generated source into a module exposing `step(rt, batch, lr)` (a step program) or
+    `evaluate(rt, batch)` (an evaluation program)."""
     module = types.ModuleType(name)
     module.__file__ = f"<{name}>"
     exec(compile(source, module.__file__, "exec"), module.__dict__)  # noqa: S102 - our own generated code
-    if not callable(getattr(module, "step", None)):
-        raise CodegenError("the source defines no step(rt, batch, lr) function")
+    if not any(callable(getattr(module, f, None)) for f in ("step", "evaluate")):
+        raise CodegenError("the source defines no step(rt, batch, lr) or evaluate(rt, batch) function")
     return module

@@ -28,25 +28,19 @@ import os
 import threading
 import types
 
-from .streams import FakeEvent, FakeStream, ProtocolError, State, stream_context
+from . import streams as _streams
+from .streams import FakeEvent, FakeStream, ProtocolError, State, state, stream_context
 
 ENV = "MEGATRAIN_FAKE_CUDA"
 DEVICE_NAME = "NVIDIA H100 80GB HBM3 (fake CUDA on the CPU: megatrain.fake_cuda)"  # plans as an H100
-_state: State | None = None
 _saved: dict = {}
 
 __all__ = ["ENV", "DEVICE_NAME", "ProtocolError", "install", "uninstall", "installed", "state",
            "install_from_env"]
 
 
-def state() -> State:
-    if _state is None:
-        raise RuntimeError("the fake CUDA backend is not installed (megatrain.fake_cuda.install())")
-    return _state
-
-
 def installed() -> bool:
-    return _state is not None
+    return _streams.current is not None
 
 
 def install_from_env() -> None:
@@ -59,34 +53,32 @@ def install(total_memory: int = 80 * 2**30, devices: int | None = None) -> State
     """Install the backend in this process (idempotent); `total_memory` is each fake GPU's size, `devices`
     how many there are (default MEGATRAIN_FAKE_CUDA_DEVICES, else 2: enough for two torchrun ranks, whose
     NCCL process groups run over gloo)."""
-    global _state
     import torch
 
-    if _state is not None:
-        return _state
+    if _streams.current is not None:
+        return _streams.current
     if torch.cuda.is_available() and not _saved:
         raise RuntimeError("a real GPU is visible: the fake CUDA backend is for CPU-only machines")
-    _state = State(total_memory)
-    _state.devices = devices or int(os.environ.get("MEGATRAIN_FAKE_CUDA_DEVICES", "2"))
+    st = _streams.current = State(total_memory)
+    st.devices = devices or int(os.environ.get("MEGATRAIN_FAKE_CUDA_DEVICES", "2"))
     from .tensors import FakeCudaMode
 
     mode = FakeCudaMode()
     _patch(torch, mode)
     mode.__enter__()
     _saved["main_mode"] = mode
-    return _state
+    return st
 
 
 def uninstall() -> None:
     """Undo install() (the mode in other live threads goes with their end)."""
-    global _state
-    if _state is None:
+    if _streams.current is None:
         return
     _saved.pop("main_mode").__exit__(None, None, None)
     for (obj, name), value in _saved.pop("attrs").items():
         setattr(obj, name, value)
     _saved.clear()
-    _state = None
+    _streams.current = None
 
 
 def _set(obj, name, value) -> None:
@@ -122,8 +114,11 @@ class _Cudart:
 
 
 def _props(total: int):
+    # NOTE: a PCI address no machine has (domain ffff), so the NUMA binding finds no node unless a test's sysfs
+    # names one
     return types.SimpleNamespace(name=DEVICE_NAME, total_memory=total, multi_processor_count=132, major=9,
-                                 minor=0, L2_cache_size=50 * 2**20, is_integrated=False, uuid="fake")
+                                 minor=0, L2_cache_size=50 * 2**20, is_integrated=False, uuid="fake",
+                                 pci_domain_id=0xFFFF, pci_bus_id=0x1B, pci_device_id=0)
 
 
 def _patch(torch, mode) -> None:
@@ -131,7 +126,7 @@ def _patch(torch, mode) -> None:
 
     from .kernels import varlen_attn
 
-    cuda, st = torch.cuda, _state
+    cuda, st = torch.cuda, _streams.current
     default = FakeStream(_agent=st.default)
 
     streams: list = []  # every stream made, so synchronize() and current_stream() know them
@@ -275,7 +270,7 @@ def _with_mode(bootstrap):
     """Every new thread runs inside the mode (torch function modes are per thread)."""
 
     def run(self):
-        if _state is None:
+        if _streams.current is None:
             return bootstrap(self)
         from .tensors import FakeCudaMode
 

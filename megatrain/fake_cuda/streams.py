@@ -210,7 +210,6 @@ class FakeStream(_stream_base()):
         return super().__new__(cls, stream_id=next(cls._ids), device_index=0, device_type=1)  # 1: CUDA
 
     def __init__(self, device=None, priority: int = 0, _agent: Agent | None = None, **_):
-        from . import state
 
         self._state = state()
         self.agent = _agent or self._state.new_stream_agent()
@@ -249,7 +248,6 @@ class FakeEvent:
     """torch.cuda.Event's stand-in: a snapshot of its stream's clock, and a wall time for elapsed_time."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
-        from . import state
 
         self._state = state()
         self.snapshot: dict[str, int] | None = None
@@ -284,7 +282,6 @@ class stream_context:  # noqa: N801  (torch.cuda.stream's spelling)
     """torch.cuda.stream(s): `s` is the thread's current stream inside."""
 
     def __init__(self, stream: FakeStream | None):
-        from . import state
 
         self._state, self.stream = state(), stream
 
@@ -297,3 +294,12 @@ class stream_context:  # noqa: N801  (torch.cuda.stream's spelling)
     def __exit__(self, *exc):
         self._state.tls.stream = self._prev
         return False
+
+
+current: State | None = None  # the installed backend's state (megatrain.fake_cuda.install sets it)
+
+
+def state() -> State:
+    if current is None:
+        raise RuntimeError("the fake CUDA backend is not installed (megatrain.fake_cuda.install())")
+    return current

@@ -27,7 +27,7 @@ _MISMATCH = ("Expected all tensors to be on the same device, but found at least 
 
 
 def _state():
-    from . import state
+    from .streams import state
 
     return state()
 

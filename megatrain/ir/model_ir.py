@@ -14,8 +14,10 @@ from typing import Literal
 
 import networkx as nx
 from pydantic import Field
+from rich.table import Table
 
 from .base import IRModel, dtype_bytes
+from .display import fmt_count, format_bytes, render
 
 UnitKind = Literal["embed", "block", "head"]
 
@@ -60,7 +62,7 @@ class ChunkFigures(IRModel):
     peak_fwd_bytes: int
     peak_bwd_bytes: int
     peak_bwd_replay_bytes: int | None = Field(None, description="as UnitIR's")
-    graph_nodes: int
+    graph_nodes: int = Field(description="as UnitIR's")
 
 
 class UnitIR(IRModel):
@@ -94,7 +96,10 @@ class UnitIR(IRModel):
         description="peak of bytes allocated inside forward-with-grad plus autograd.grad, the parameters' "
         "gradients included; the incoming gradient and the carry's gradient excluded (program buffers)"
     )
-    graph_nodes: int = Field(0, description="nodes in the torch.fx graph of the unit's template")
+    graph_nodes: int = Field(
+        0, description="ops of the unit's forward, which price its per-op overhead: the nodes of its torch.fx "
+        "graph (make_fx), or, for a trace scaled from a short length (traced_seq_len), the ops its no-grad forward "
+        "dispatches plus one per input and output, each tiled loop's ops counted once per iteration")
     rebuild_bytes: int | None = Field(
         None, description="bytes the forward records so the backward can rebuild the carry-in from the carry-out "
         "(DepthSSD: its sub-layer inputs); None when the unit cannot rebuild"
@@ -183,7 +188,7 @@ class ModelIR(IRModel):
     dtype: str = Field(description="compute dtype: what moves over the link and what the device computes in")
     target: Literal["cuda", "cpu"] = Field("cuda", description="the device whose kernels the trace stands for")
     packed: bool = Field(False, description="traced for packed micro-batches: several documents per row, "
-                         "attention within each (models/transformer.py packing)")
+                         "attention within each (models/layers.py packing)")
     units: tuple[UnitIR, ...]
     resident: tuple[TensorSpec, ...] = Field(description="per-step constants kept on device (RoPE tables)")
     edges: tuple[tuple[str, str, str], ...] = Field(
@@ -250,6 +255,64 @@ class ModelIR(IRModel):
         return self._graph.copy()
 
     def __str__(self) -> str:
-        from .display import format_model_ir
-
         return format_model_ir(self)
+
+
+def model_ir_table(ir: ModelIR, collapse: bool = True) -> Table:
+    """Per-unit table; runs of identical blocks collapse into one row (`blocks.0-79 x80`)."""
+    tokens = ir.tokens
+    mixing = ir.config.get("depth_mixing", "residual")
+    rebuild = any(u.rebuild_bytes is not None for u in ir.units)
+    t = Table(title=f"{ir.model}: {fmt_count(ir.params_total)} params, micro-batch {ir.micro_batch} x "
+                    f"{ir.seq_len} tokens, {ir.dtype}" + ("" if mixing == "residual" else f", depth mixing {mixing}"),
+              title_justify="left")
+    cols = ("unit", "params", "FLOPs/token fwd", "FLOPs/token bwd", "saved", "carry in", "carry out", "peak bwd")
+    for col in (*cols, *(("rebuild ckpt",) if rebuild else ())):
+        t.add_column(col, justify="left" if col == "unit" else "right")
+    rows: list[list] = []
+    for u in ir.units:
+        key = (u.template, u.n_params, u.flops_fwd, u.flops_bwd, u.saved_bytes, u.carry_in_bytes, u.carry_out_bytes,
+               u.peak_bwd_bytes, u.rebuild_bytes)
+        if collapse and rows and rows[-1][0] == key:
+            rows[-1][2] = u.name
+            rows[-1][3] += 1
+        else:
+            rows.append([key, u.name, u.name, 1, u])
+    for _key, first, last, count, u in rows:
+        label = first if count == 1 else f"{first}-{last.split('.')[-1]} x{count}"
+        t.add_row(label, fmt_count(u.n_params), fmt_count(u.flops_fwd / tokens), fmt_count(u.flops_bwd / tokens),
+                  format_bytes(u.saved_bytes), format_bytes(u.carry_in_bytes), format_bytes(u.carry_out_bytes),
+                  format_bytes(u.peak_bwd_bytes),
+                  *((format_bytes(u.rebuild_bytes) if u.rebuild_bytes is not None else "-",) if rebuild else ()))
+    fwd = sum(u.flops_fwd for u in ir.units)
+    bwd = sum(u.flops_bwd for u in ir.units)
+    t.add_section()
+    t.add_row("total", fmt_count(ir.params_total), fmt_count(fwd / tokens), fmt_count(bwd / tokens),
+              format_bytes(sum(u.saved_bytes for u in ir.units)), "", "", "", *(("",) if rebuild else ()))
+    return t
+
+
+def notes(ir: ModelIR) -> list[str]:
+    """What the table's figures are, for a long-sequence trace: scaled, and priced at other chunk sizes."""
+    out = []
+    if ir.traced_seq_len is not None:
+        out.append(f"traced at {ir.traced_seq_len:,} tokens and scaled to {ir.seq_len:,} (ir/scaled.py): bytes and "
+                   "FLOPs exact, graph nodes extrapolated")
+    if ir.chunk_tokens is not None:
+        out.append(f"units tiled in chunks of {ir.chunk_tokens:,} tokens")
+    attn = sum(u.attn_flops_fwd for u in ir.units) / max(1, sum(u.flops_fwd for u in ir.units))
+    if attn >= 0.01:
+        out.append(f"fused attention: {attn:.0%} of forward FLOPs (counted in full, T x T)")
+    choices = [c for c in ir.chunk_choices if c is not None]
+    if choices:
+        block = max((u for u in ir.units if u.kind == "block"), key=lambda u: u.peak_bwd_bytes, default=None)
+        if block is not None:
+            figs = {o.chunk_tokens: o for o in block.chunk_options}
+            out.append(f"{block.name} tiled (for the planner's chunks pass), peak bwd: " + ", ".join(
+                f"{c:,} tokens {format_bytes(figs[c].peak_bwd_bytes)}" for c in choices[:1] + choices[-1:])
+                + f"; untiled {format_bytes(figs[None].peak_bwd_bytes)}")
+    return out
+
+
+def format_model_ir(ir: ModelIR) -> str:
+    return render(model_ir_table(ir)) + "".join(line + "\n" for line in notes(ir))

@@ -86,6 +86,41 @@ def checkpoint_tensors(ir, buffer: Buffer) -> tuple:
     return u.replay if buffer.kind == "attention" else u.carry_in
 
 
+# What a forward keeps for its backward, one mode per forward (the checkpoint placement the planner chose, ir/README.md):
+# plain (its carry-in is the checkpoint), keep (also its autograd graph: `saved`), rebuild (the sub-layer inputs that
+# rebuild the carry-in: `side`), replay (the fused attention's outputs its recompute replays: `attn`), eval (an
+# evaluation's forward: inference mode, no backward follows, nothing recorded). A placement is one of these, so
+# they never combine.
+ForwardMode = Literal["plain", "keep", "rebuild", "replay", "eval"]
+# Where a backward gets the graph it back-propagates through, matching its forward's mode: recompute (from the
+# checkpoint), saved (the kept graph), rebuild (rebuild the carry-in first, then recompute), replay (recompute
+# taking the fused attention's outputs from `attn`).
+BackwardSource = Literal["recompute", "saved", "rebuild", "replay"]
+# The source of the backward of each training forward mode.
+SOURCE_OF: dict[str, str] = {"plain": "recompute", "keep": "saved", "rebuild": "rebuild", "replay": "replay"}
+
+# The operands of each op, in the order it prints and the engine's method takes them; any other operand field must
+# keep its default (the validator's rule). reads/writes/workspace_bytes describe every op for the verifier.
+OPERANDS: dict[str, tuple[str, ...]] = {
+    "alloc": ("buffer",),
+    "load_params": ("unit", "slot", "shard"),
+    "forward": ("unit", "slot", "mb", "mode"),
+    "offload_act": ("buffer",),
+    "load_act": ("buffer",),
+    "backward": ("unit", "slot", "grad_slot", "mb", "source", "accumulate", "norm"),
+    "store_grads": ("unit", "grad_slot", "host_grad", "shard"),
+    "optimizer_step": ("unit", "host_grad"),
+    "clip_grads": (),
+    "all_gather": ("unit", "slot"),
+    "reduce_scatter": ("unit", "grad_slot"),
+    "all_reduce": ("unit", "grad_slot"),
+    "record": ("event",),
+    "wait": ("event",),
+    "free": ("buffer",),
+}
+_DEFAULTS = {"forward": {"mode": "plain"}, "backward": {"source": "recompute"}}
+
+
 class Instr(IRModel):
     """One instruction. `reads`/`writes` name the buffers it touches; the verifier checks them."""
 
@@ -93,22 +128,14 @@ class Instr(IRModel):
     stream: Stream
     unit: str | None = None
     mb: int | None = None
-    slot: int | None = Field(None, description="parameter slot index (load_params, forward, backward)")
-    grad_slot: int | None = Field(None, description="gradient slot index (backward, store_grads)")
+    slot: int | None = Field(None, description="parameter slot index (load_params, forward, backward, all_gather)")
+    grad_slot: int | None = Field(None, description="gradient slot index (backward, store_grads, collectives)")
     event: str | None = Field(None, description="event name (record, wait)")
     buffer: str | None = Field(None, description="the buffer of alloc/free/offload_act/load_act")
-    keep_graph: bool = Field(
-        False, description="forward: keep the autograd graph (saved activations) so backward skips recompute"
-    )
+    mode: ForwardMode | None = Field(None, description="forward: what it keeps for its backward (default plain)")
+    source: BackwardSource | None = Field(
+        None, description="backward: where the graph it back-propagates through comes from (default recompute)")
     accumulate: bool = Field(False, description="backward: add into the gradient slot instead of overwriting")
-    rebuild: bool = Field(
-        False, description="forward: record what rebuilding the carry-in needs (the `side` buffer); backward: "
-        "rebuild the carry-in from the next unit's carry-in first"
-    )
-    replay: bool = Field(
-        False, description="forward: also record the fused attention's outputs (the `attn` buffer); backward: "
-        "its recompute replays them instead of running attention (models/replay.py)"
-    )
     norm: bool = Field(
         False, description="backward: the unit's gradients are final after it (its last micro-batch); also write "
         "their per-parameter L2 norms (fp32) into the gradient slot after the gradients"
@@ -125,6 +152,15 @@ class Instr(IRModel):
     writes: tuple[str, ...] = ()
     workspace_bytes: int = Field(0, ge=0, description="transient device bytes while this op runs")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_mode(cls, data):
+        if isinstance(data, dict):
+            for name, value in _DEFAULTS.get(data.get("op"), {}).items():
+                if data.get(name) is None:
+                    data = {**data, name: value}
+        return data
+
     @model_validator(mode="after")
     def _stream_allowed(self) -> Instr:
         if self.stream not in OP_STREAMS[self.op]:
@@ -133,39 +169,34 @@ class Instr(IRModel):
             raise ValueError(f"{self.op} needs an event name")
         if self.op in ("alloc", "free", "offload_act", "load_act") and not self.buffer:
             raise ValueError(f"{self.op} needs a buffer name")
+        for name in _OPERAND_FIELDS - set(OPERANDS[self.op]):
+            if getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(f"{self.op} takes no {name} (given {getattr(self, name)!r}); its operands: "
+                                 f"{', '.join(OPERANDS[self.op]) or 'none'}")
+        if self.workspace_bytes and self.op not in ("forward", "backward"):
+            raise ValueError(f"{self.op} has no workspace; only forward and backward do")
         return self
 
+    def operands(self) -> list[tuple[str, object]]:
+        """(name, value) of the operands that differ from their defaults, in OPERANDS order: what prints, and
+        what codegen passes to the engine (codegen/emit.py)."""
+        return [(name, v) for name in OPERANDS[self.op]
+                if (v := getattr(self, name)) is not None and v is not False and v != _DEFAULTS.get(self.op, {}).get(name)]
+
     def __str__(self) -> str:
-        args = [
-            f"{k}={v}"
-            for k, v in (
-                ("unit", self.unit),
-                ("slot", self.slot),
-                ("grad_slot", self.grad_slot),
-                ("mb", self.mb),
-                ("buffer", self.buffer),
-                ("event", self.event),
-                ("host_grad", self.host_grad),
-            )
-            if v is not None
-        ]
-        if self.keep_graph:
-            args.append("keep_graph=True")
-        if self.accumulate:
-            args.append("accumulate=True")
-        if self.rebuild:
-            args.append("rebuild=True")
-        if self.norm:
-            args.append("norm=True")
-        if self.shard:
-            args.append("shard=True")
-        return f"[{self.stream:>7}] {self.op}({', '.join(args)})"
+        return f"[{self.stream:>7}] {self.op}({', '.join(f'{k}={v}' for k, v in self.operands())})"
+
+
+_OPERAND_FIELDS = {name for names in OPERANDS.values() for name in names}
 
 
 class Program(IRModel):
-    """One optimizer step: buffers, then instructions in program order."""
+    """One optimizer step (`purpose` step), or one evaluation pass over validation batches (`eval`,
+    planner/evaluation.py): buffers, then instructions in program order."""
 
-    n_micro_batches: int = Field(ge=1, description="micro-batches this rank runs per step")
+    purpose: Literal["step", "eval"] = "step"
+    n_micro_batches: int = Field(ge=0, description="micro-batches this rank runs per step (an evaluation: the "
+                                 "validation batches it runs, none on a rank that has none)")
     world_size: int = Field(1, ge=1, description="ranks running this program together (data parallel); each "
                             "runs n_micro_batches of the global step's world_size x n_micro_batches")
     buffers: tuple[Buffer, ...]
@@ -175,6 +206,8 @@ class Program(IRModel):
 
     @model_validator(mode="after")
     def _names_known(self) -> Program:
+        if self.purpose == "step" and self.n_micro_batches < 1:
+            raise ValueError("a step program runs at least one micro-batch")
         names = {b.name for b in self.buffers}
         if len(names) != len(self.buffers):
             raise ValueError("buffer names must be unique")

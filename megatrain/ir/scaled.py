@@ -254,20 +254,63 @@ class Measured:
                     rebuild_bytes=None if self.rebuild is None else self._bytes(self.rebuild.items(), seq, chunk))
 
 
+def _gqa_heads(formula, query: int):
+    """A fused-attention FLOP formula that takes grouped-query shapes (fewer key/value heads, which the kernel
+    broadcasts): key and value are counted at the query's head count. Older torch asserts equal heads."""
+    def count(*args, **kwargs):
+        q = args[query]
+        # NOTE: shapes, not tensors: the formula reads only shapes (shape_wrapper), and a tensor made here would
+        # be an allocation the trace's memory tracking counts
+        wide = [torch.Size((*t.shape[:1], q.shape[1], *t.shape[2:]))
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] != q.shape[1] else t
+                for t in args[query + 1 : query + 3]]
+        return formula(*args[: query + 1], *wide, *args[query + 3 :], **kwargs)
+
+    return count
+
+
+def _any_out_dtype(formula):
+    """addmm's FLOP formula for every overload: `addmm.dtype` passes its out_dtype positionally."""
+    def count(self, mat1, mat2, *_, out_val=None, **__):
+        return formula(self, mat1, mat2, out_val=out_val)
+
+    return count
+
+
+def flop_formulas() -> dict:
+    """torch's FlopCounterMode formulas (`flop_registry`) completed for what a trace runs, in a copy: torch's
+    own table stays as it was, for every other user of FlopCounterMode in the process."""
+    aten = torch.ops.aten
+    table = dict(flop_registry)
+    # torch knows CUDA's fused attention kernels but not the CPU's: count them with the same formulas
+    table.setdefault(aten._scaled_dot_product_flash_attention_for_cpu,
+                     table[aten._scaled_dot_product_flash_attention])
+    table.setdefault(aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                     table[aten._scaled_dot_product_flash_attention_backward])
+    for op, query in ((aten._scaled_dot_product_flash_attention, 0),
+                      (aten._scaled_dot_product_flash_attention_for_cpu, 0),
+                      (aten._scaled_dot_product_flash_attention_backward, 1),
+                      (aten._scaled_dot_product_flash_attention_for_cpu_backward, 1)):
+        table[op] = _gqa_heads(table[op], query)
+    table[aten.addmm] = _any_out_dtype(table[aten.addmm])
+    return table
+
+
 class FlopCount(TorchDispatchMode):
-    """FLOPs of the dispatched ops by torch's FlopCounterMode formulas, as {"linear": .., "attention": ..}.
+    """FLOPs of the dispatched ops by `flop_formulas`, as {"linear": .., "attention": ..}.
     NOTE: FlopCounterMode itself tracks modules with autograd hooks, which a nested autograd.grad (a tiled
     piece's backward) does not support; this counts the same global totals without them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter = Counter()
+        self.formulas = flop_formulas()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         packet = func._overloadpacket
-        if packet in flop_registry:
+        if packet in self.formulas:
             kind = "attention" if any(a in str(packet) for a in ATTENTION_OPS) else "linear"
-            self.counts[kind] += flop_registry[packet](*args, **kwargs, out_val=out)
+            self.counts[kind] += self.formulas[packet](*args, **kwargs, out_val=out)
         return out

@@ -4,9 +4,11 @@ Where it sits: first stage of the pipeline (docs/DESIGN.md 2): ModelConfig -> te
 Try it: `megatrain inspect --model llama3-70b --seq-len 8192`.
 
 Each distinct (template, carry shapes) pair is traced once, however many units run it:
-- torch.fx (make_fx) records the template's forward as a graph of aten ops (its node count is kept; a scaled
-  trace counts the ops its no-grad forward dispatches, plus inputs and output, instead);
-- FlopCounterMode's formulas count forward and backward FLOPs (scaled.FlopCount, without its module hooks);
+- torch.fx (make_fx) records the template's forward as a graph of aten ops, whose node count prices per-op
+  overhead (`graph_nodes`; a scaled trace counts the ops its no-grad forward dispatches, plus inputs and
+  output, instead: make_fx is most of a trace's time);
+- FlopCounterMode's formulas count forward and backward FLOPs (scaled.FlopCount, without its module hooks,
+  from a copy of torch's table completed for the CPU's attention: neither import nor trace changes torch's);
 - saved-tensor hooks measure what autograd keeps for backward (parameters and inputs excluded);
 - a dispatch mode follows every storage an op creates until it dies, giving the transient peak inside the
   unit for a no-grad forward and for forward-with-grad followed by autograd.grad.
@@ -25,24 +27,16 @@ from collections import Counter
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils.flop_counter import flop_registry
 
 from megatrain.models import replay, routing, tiled
-from megatrain.models.binding import run_unit, template_layout
 from megatrain.models.config import ModelConfig
+from megatrain.models.layers import StepInputs, rope_tables
 from megatrain.models.moe import moe_layers
 from megatrain.models.presets import load_model_config
-from megatrain.models.transformer import (
-    StepInputs,
-    recompute_mode,
-    rope_tables,
-    template_key,
-    templates,
-    tied_params,
-    unit_names,
-)
+from megatrain.models.units import recompute_mode, run_unit, template_key, templates, tied_params, unit_names
 
 from .base import dtype_bytes
+from .layout import template_layout
 from .model_ir import ChunkFigures, ModelIR, TensorSpec, UnitIR
 from .scaled import FlopCount, LiveBytes, Measured, Scale, choose_scale
 
@@ -52,53 +46,6 @@ TARGETS = ("cuda", "cpu")
 MAX_TOKENS = 2**21  # tokens per micro-batch: 2M, four 512k-token sequences
 LONG_SEQ = 8192  # longer sequences are traced at a short length and scaled, and priced at several chunk sizes
 MIN_CHUNK = 512  # the smallest chunk a trace prices for the planner's chunks pass
-
-# FlopCounterMode knows CUDA's fused attention kernels but not the CPU's: count it with the same formulas.
-_aten = torch.ops.aten
-flop_registry.setdefault(_aten._scaled_dot_product_flash_attention_for_cpu,
-                         flop_registry[_aten._scaled_dot_product_flash_attention])
-flop_registry.setdefault(_aten._scaled_dot_product_flash_attention_for_cpu_backward,
-                         flop_registry[_aten._scaled_dot_product_flash_attention_backward])
-
-
-def _gqa_heads(formula, query: int):
-    """A fused-attention FLOP formula that takes grouped-query shapes (fewer key/value heads, which the kernel
-    broadcasts): key and value are counted at the query's head count. Older torch asserts equal heads."""
-    if getattr(formula, "megatrain_gqa", False):
-        return formula
-
-    def count(*args, **kwargs):
-        q = args[query]
-        # NOTE: shapes, not tensors: the formula reads only shapes (shape_wrapper), and a tensor made here would
-        # be an allocation the trace's memory tracking counts
-        wide = [torch.Size((*t.shape[:1], q.shape[1], *t.shape[2:]))
-                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] != q.shape[1] else t
-                for t in args[query + 1 : query + 3]]
-        return formula(*args[: query + 1], *wide, *args[query + 3 :], **kwargs)
-
-    count.megatrain_gqa = True
-    return count
-
-
-def _any_out_dtype(formula):
-    """addmm's FLOP formula for every overload: `addmm.dtype` passes its out_dtype positionally."""
-    if getattr(formula, "megatrain_dtype", False):
-        return formula
-
-    def count(self, mat1, mat2, *_, out_val=None, **__):
-        return formula(self, mat1, mat2, out_val=out_val)
-
-    count.megatrain_dtype = True
-    return count
-
-
-for _op, _query in ((_aten._scaled_dot_product_flash_attention, 0),
-                    (_aten._scaled_dot_product_flash_attention_for_cpu, 0),
-                    (_aten._scaled_dot_product_flash_attention_backward, 1),
-                    (_aten._scaled_dot_product_flash_attention_for_cpu_backward, 1)):
-    flop_registry[_op] = _gqa_heads(flop_registry[_op], _query)
-flop_registry[_aten.addmm] = _any_out_dtype(flop_registry[_aten.addmm])
-
 
 def canonical_dtype(dtype: str | torch.dtype) -> str:
     if isinstance(dtype, torch.dtype):

@@ -1,6 +1,6 @@
-"""ModelConfig: the validated description of a LLaMA-style decoder (docs/DESIGN.md 4.1).
+"""ModelConfig (and its MoEConfig): the validated description of a LLaMA-style decoder (docs/DESIGN.md 4.1).
 
-Where it sits: presets.py returns these; transformer.py builds unit templates and the eager model from them;
+Where it sits: presets.py returns these; units.py and eager.py build unit templates and the eager model from them;
 ir.trace() records them in the ModelIR. Errors name the field and the fix.
 """
 
@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .depth.spec import parse_depth
-from .moe import MoEConfig
+from .depth.spec import FORMS, parse_depth
 
 MAX_TENSOR_NUMEL = 2**36  # 64G elements: 128 GiB in bf16, more than any GPU holds as one unit's weight
 MAX_LAYERS = 4096
@@ -38,6 +37,100 @@ class RopeScaling(BaseModel):
         return self
 
 
+ROUTERS = ("et", "tc", "ec")
+GATES = ("sigmoid", "softmax")
+MLPS = ("relu2", "swiglu")
+BALANCES = ("aux", "bias", "none")
+EC_EVALS = ("threshold", "topk")
+
+
+class MoEConfig(BaseModel):
+    """Routed experts in every block's feed-forward (but the first, with dense_first). Defaults: the ET paper's."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    router: str = Field("et", description="et (expert threshold), tc (token choice top-k) or ec (expert "
+                        "choice top-k over the micro-batch in training; see ec_eval for inference)")
+    n_experts: int = Field(16, description="routed experts E")
+    top_k: int = Field(1, description="routed experts per token: exactly for tc, on average for et and ec "
+                       "(each expert takes k = ceil(tokens x top_k / E) tokens)")
+    expert_dim: int | None = Field(None, description="hidden width of each expert (default 2 x d_model)")
+    expert_mlp: str = Field("relu2", description="expert MLP: relu2 (ReLU squared) or swiglu")
+    shared_expert: bool = Field(True, description="one always-on expert of the same type and width")
+    dense_first: bool = Field(True, description="block 0 keeps the dense SwiGLU MLP of width ffn_dim")
+    gate: str = Field("sigmoid", description="expert weight: sigmoid of its logit, or softmax over the experts")
+    balance: str = Field("none", description="tc only: aux (Switch loss), bias (DeepSeek loss-free bias) or none")
+    aux_loss_coef: float = Field(1e-3, description="tc aux: alpha in alpha * E * sum_i f_i P_i")
+    bias_rate: float = Field(5e-3, description="tc bias: u in b_i += u * sign(mean load - load_i) per step")
+    momentum: float = Field(0.999, description="et and ec: EMA momentum beta of the per-step cutoffs")
+    warmup_steps: int = Field(4000, description="et: optimizer steps routed by expert choice before thresholds")
+    capacity_factor: float = Field(0.5, description="et training: each expert takes between (1-C)k and (1+C)k "
+                                   "tokens")
+    ec_eval: str = Field("threshold", description="ec at inference: threshold (r >= its own EMA cutoff, "
+                         "causal, as the ET paper evaluates EC) or topk (top-k over the micro-batch: non-causal)")
+
+    @field_validator("router", "gate", "expert_mlp", "balance", "ec_eval")
+    @classmethod
+    def _choice(cls, v: str, info: Any) -> str:
+        valid = {"router": ROUTERS, "gate": GATES, "expert_mlp": MLPS, "balance": BALANCES,
+                 "ec_eval": EC_EVALS}[info.field_name]
+        if v not in valid:
+            raise ValueError(f"{info.field_name} {v!r} is not one of {', '.join(valid)}; pick one of them")
+        return v
+
+    @field_validator("n_experts", "top_k")
+    @classmethod
+    def _at_least_one(cls, v: int, info: Any) -> int:
+        if v < 1:
+            raise ValueError(f"{info.field_name} must be >= 1, got {v}; use at least one")
+        return v
+
+    @field_validator("expert_dim")
+    @classmethod
+    def _width(cls, v: int | None) -> int | None:
+        if v is not None and v < 1:
+            raise ValueError(f"expert_dim must be a positive integer or omitted (= 2 x d_model), got {v}")
+        return v
+
+    @field_validator("capacity_factor", "aux_loss_coef", "bias_rate", "warmup_steps")
+    @classmethod
+    def _non_negative(cls, v: float, info: Any) -> float:
+        if v < 0:
+            raise ValueError(f"{info.field_name} must be >= 0, got {v}; use 0 to turn it off")
+        return v
+
+    @field_validator("momentum")
+    @classmethod
+    def _momentum(cls, v: float) -> float:
+        if not 0 <= v < 1:
+            raise ValueError(f"momentum must be in [0, 1), got {v}; the paper uses 0.999")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MoEConfig:
+        if self.top_k > self.n_experts:
+            raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}; lower top_k or add experts")
+        if self.balance != "none" and self.router != "tc":
+            raise ValueError(f"balance={self.balance!r} applies to router 'tc' only; set balance to 'none' for "
+                             f"router {self.router!r}")
+        return self
+
+    # -- sizes ---------------------------------------------------------------------------------------------
+    def width(self, d_model: int) -> int:
+        return self.expert_dim if self.expert_dim is not None else 2 * d_model
+
+    def expert_params(self, d_model: int) -> int:
+        return (3 if self.expert_mlp == "swiglu" else 2) * d_model * self.width(d_model)
+
+    def ffn_params(self, d_model: int) -> int:
+        """Parameters of one MoE feed-forward: router, routed experts, shared expert."""
+        return d_model * self.n_experts + (self.n_experts + self.shared_expert) * self.expert_params(d_model)
+
+    def layers(self, n_layers: int) -> range:
+        """The blocks whose feed-forward is an MoE."""
+        return range(1 if self.dense_first else 0, n_layers)
+
+
 class ModelConfig(BaseModel):
     """A decoder-only transformer: embed, `n_layers` blocks, head (final norm, LM head, loss)."""
 
@@ -62,8 +155,7 @@ class ModelConfig(BaseModel):
     qk_norm: bool = Field(False, description="RMSNorm on queries and keys per head (Qwen3, OLMo2)")
     max_seq_len: int = Field(4096, description="longest sequence the model is configured for")
     init_std: float = Field(0.02, description="standard deviation of the normal weight init")
-    depth_mixing: str = Field("residual", description="how sub-layers read and write the depth state: residual, "
-                              "denseformer[:KxP], hc[:n], hc-dynamic[:n], attnres[:NB] or depthssd[:N]")
+    depth_mixing: str = Field("residual", description="how sub-layers read and write the depth state: " + FORMS)
     moe: MoEConfig | None = Field(None, description="mixture-of-experts feed-forward (models/moe.py); None: dense")
 
     @field_validator("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "head_size",
@@ -152,8 +244,6 @@ class ModelConfig(BaseModel):
 
     def n_params(self) -> int:
         """Analytic parameter count (the traced count must agree)."""
-        from . import depth
-
         d, hd = self.d_model, self.head_dim
         q, kv = self.n_heads * hd, self.kv_heads * hd
         attn = d * q + 2 * d * kv + q * d + (q + 2 * kv if self.qkv_bias else 0) + (2 * hd if self.qk_norm else 0)
@@ -162,8 +252,22 @@ class ModelConfig(BaseModel):
         embed = self.vocab_size * d
         dense = embed + self.n_layers * block + d + (0 if self.tie_embeddings else embed)
         moe = 0 if self.moe is None else len(self.moe.layers(self.n_layers)) * (self.moe.ffn_params(d) - ffn)
-        return dense + moe + depth.n_params(self)
+        return dense + moe + parse_depth(self.depth_mixing).n_params(self.n_layers, d)
 
 
 def _divisors(n: int, limit: int = 8) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0][:limit]
+
+
+def one_line(e: ValidationError) -> str:
+    """The first validation problem as `field: message`."""
+    err = e.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        nested = err["loc"][:1] == ("moe",) and len(err["loc"]) > 1
+        msg = f"unknown field; valid fields: {', '.join((MoEConfig if nested else ModelConfig).model_fields)}"
+    elif err["type"] == "missing":
+        msg = "required field is missing"
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return f"{loc}: {msg}{more}"

@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from .config import ModelConfig, RopeScaling
+from .config import ModelConfig, RopeScaling, one_line
 
 CONFIG_FILE = "config.json"
 MAX_CONFIG_BYTES = 4 * 2**20
@@ -67,6 +67,8 @@ HARMLESS = frozenset({
     "begin_suppress_tokens", "_attn_implementation_autoset", "attn_implementation", "_attn_implementation",
     "unsloth_fixed", "unsloth_version", "_from_model_config", "embd_pdrop", "resid_pdrop",
 })
+# fields read as true or false: a JSON boolean (or null, the default) only; "false" in quotes would read as true
+BOOLEANS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window", "use_mrope")
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor",
               "original_max_position_embeddings"}
 
@@ -128,6 +130,10 @@ def config_from_hf(raw: dict, name: str = "hf", source: str = CONFIG_FILE) -> Mo
     for field in REQUIRED:
         if not isinstance(raw.get(field), int) or isinstance(raw.get(field), bool):
             raise refuse(field, f"required integer field is {'missing' if field not in raw else repr(raw[field])}")
+    for field in BOOLEANS:
+        if raw.get(field) is not None and not isinstance(raw[field], bool):
+            raise refuse(field, f"expected true or false, got {raw[field]!r}; write a JSON boolean, "
+                         "without quotes")
     if raw.get("model_type") not in (None, family):
         raise refuse("model_type", f"{raw['model_type']!r} does not match architectures ({ARCHITECTURE[family]})")
     act = raw.get("hidden_act", "silu")
@@ -167,8 +173,6 @@ def config_from_hf(raw: dict, name: str = "hf", source: str = CONFIG_FILE) -> Mo
     try:
         return ModelConfig(**fields)
     except ValidationError as e:
-        from .presets import one_line
-
         raise HFConfigError(f"{source}: {one_line(e)}") from None
 
 

@@ -1,10 +1,10 @@
 """Cross-entropy over the LM head computed in sequence chunks, in forward and in backward.
 
-Where it sits: the head unit (transformer.py) calls `chunked_cross_entropy`; the full (tokens, vocab) logits
+Where it sits: the head unit (units.py) calls `chunked_cross_entropy`; the full (tokens, vocab) logits
 tensor never exists. Forward keeps only its inputs; backward recomputes each chunk's logits, so the peak is
 one chunk of logits (chunk x vocab, fp32) at any time, unlike the reference MegaTrain whose 128-token chunks
 all stay alive until a single backward. With `norm`, the head's final norm runs inside the chunks too (long
-sequences: transformer.py's tiled mode).
+sequences: units.py's tiled mode).
 
 The weight gradient is accumulated in fp32 across chunks. On a GPU in bf16/fp16 each chunk's product is a
 tensor-core matmul of the low-precision logit gradient and hidden states with fp32 accumulation and output

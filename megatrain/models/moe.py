@@ -1,7 +1,7 @@
-"""Mixture-of-experts feed-forward: its config, the expert MLPs and the MoE layer (docs/DESIGN.md 4.1).
+"""Mixture-of-experts feed-forward: the expert MLPs and the MoE layer (docs/DESIGN.md 4.1).
 
-Where it sits: `ModelConfig.moe` (a MoEConfig) makes the feed-forward of every block, except the first with
-`dense_first`, an `MoEFFN` (transformer.make_ffn); routing.py decides which tokens each expert takes and
+Where it sits: `ModelConfig.moe` (a MoEConfig, config.py) makes the feed-forward of every block, except the first with
+`dense_first`, an `MoEFFN` (units.make_ffn); routing.py decides which tokens each expert takes and
 owns the routing state. Try it: `megatrain train --model moe-tiny --device sim --gpu-mem 8MiB --steps 20
 --seq-len 128`. Run its tests: `.venv/bin/pytest tests/models/test_moe.py`.
 
@@ -30,111 +30,16 @@ A second carry element would change the carry of every depth mixing and the head
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor, nn
 
 from . import routing
 
 if TYPE_CHECKING:
     from .config import ModelConfig
-
-ROUTERS = ("et", "tc", "ec")
-GATES = ("sigmoid", "softmax")
-MLPS = ("relu2", "swiglu")
-BALANCES = ("aux", "bias", "none")
-EC_EVALS = ("threshold", "topk")
-
-
-class MoEConfig(BaseModel):
-    """Routed experts in every block's feed-forward (but the first, with dense_first). Defaults: the ET paper's."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-    router: str = Field("et", description="et (expert threshold), tc (token choice top-k) or ec (expert "
-                        "choice top-k over the micro-batch in training; see ec_eval for inference)")
-    n_experts: int = Field(16, description="routed experts E")
-    top_k: int = Field(1, description="routed experts per token: exactly for tc, on average for et and ec "
-                       "(each expert takes k = ceil(tokens x top_k / E) tokens)")
-    expert_dim: int | None = Field(None, description="hidden width of each expert (default 2 x d_model)")
-    expert_mlp: str = Field("relu2", description="expert MLP: relu2 (ReLU squared) or swiglu")
-    shared_expert: bool = Field(True, description="one always-on expert of the same type and width")
-    dense_first: bool = Field(True, description="block 0 keeps the dense SwiGLU MLP of width ffn_dim")
-    gate: str = Field("sigmoid", description="expert weight: sigmoid of its logit, or softmax over the experts")
-    balance: str = Field("none", description="tc only: aux (Switch loss), bias (DeepSeek loss-free bias) or none")
-    aux_loss_coef: float = Field(1e-3, description="tc aux: alpha in alpha * E * sum_i f_i P_i")
-    bias_rate: float = Field(5e-3, description="tc bias: u in b_i += u * sign(mean load - load_i) per step")
-    momentum: float = Field(0.999, description="et and ec: EMA momentum beta of the per-step cutoffs")
-    warmup_steps: int = Field(4000, description="et: optimizer steps routed by expert choice before thresholds")
-    capacity_factor: float = Field(0.5, description="et training: each expert takes between (1-C)k and (1+C)k "
-                                   "tokens")
-    ec_eval: str = Field("threshold", description="ec at inference: threshold (r >= its own EMA cutoff, "
-                         "causal, as the ET paper evaluates EC) or topk (top-k over the micro-batch: non-causal)")
-
-    @field_validator("router", "gate", "expert_mlp", "balance", "ec_eval")
-    @classmethod
-    def _choice(cls, v: str, info: Any) -> str:
-        valid = {"router": ROUTERS, "gate": GATES, "expert_mlp": MLPS, "balance": BALANCES,
-                 "ec_eval": EC_EVALS}[info.field_name]
-        if v not in valid:
-            raise ValueError(f"{info.field_name} {v!r} is not one of {', '.join(valid)}; pick one of them")
-        return v
-
-    @field_validator("n_experts", "top_k")
-    @classmethod
-    def _at_least_one(cls, v: int, info: Any) -> int:
-        if v < 1:
-            raise ValueError(f"{info.field_name} must be >= 1, got {v}; use at least one")
-        return v
-
-    @field_validator("expert_dim")
-    @classmethod
-    def _width(cls, v: int | None) -> int | None:
-        if v is not None and v < 1:
-            raise ValueError(f"expert_dim must be a positive integer or omitted (= 2 x d_model), got {v}")
-        return v
-
-    @field_validator("capacity_factor", "aux_loss_coef", "bias_rate", "warmup_steps")
-    @classmethod
-    def _non_negative(cls, v: float, info: Any) -> float:
-        if v < 0:
-            raise ValueError(f"{info.field_name} must be >= 0, got {v}; use 0 to turn it off")
-        return v
-
-    @field_validator("momentum")
-    @classmethod
-    def _momentum(cls, v: float) -> float:
-        if not 0 <= v < 1:
-            raise ValueError(f"momentum must be in [0, 1), got {v}; the paper uses 0.999")
-        return v
-
-    @model_validator(mode="after")
-    def _consistent(self) -> MoEConfig:
-        if self.top_k > self.n_experts:
-            raise ValueError(f"top_k={self.top_k} exceeds n_experts={self.n_experts}; lower top_k or add experts")
-        if self.balance != "none" and self.router != "tc":
-            raise ValueError(f"balance={self.balance!r} applies to router 'tc' only; set balance to 'none' for "
-                             f"router {self.router!r}")
-        return self
-
-    # -- sizes ---------------------------------------------------------------------------------------------
-    def width(self, d_model: int) -> int:
-        return self.expert_dim if self.expert_dim is not None else 2 * d_model
-
-    def expert_params(self, d_model: int) -> int:
-        return (3 if self.expert_mlp == "swiglu" else 2) * d_model * self.width(d_model)
-
-    def ffn_params(self, d_model: int) -> int:
-        """Parameters of one MoE feed-forward: router, routed experts, shared expert."""
-        return d_model * self.n_experts + (self.n_experts + self.shared_expert) * self.expert_params(d_model)
-
-    def layers(self, n_layers: int) -> range:
-        """The blocks whose feed-forward is an MoE."""
-        return range(1 if self.dense_first else 0, n_layers)
-
 
 def active_params(config: ModelConfig) -> int:
     """Parameters a token uses on average: all but the routed experts it does not take (top_k of E)."""

@@ -37,8 +37,7 @@ from pydantic import ValidationError
 
 from megatrain.files import read_structured
 
-from .config import ModelConfig
-from .moe import MoEConfig
+from .config import ModelConfig, MoEConfig, one_line
 
 
 def tiny() -> ModelConfig:
@@ -192,17 +191,3 @@ def config_from_dict(data: dict, source: str = "config") -> ModelConfig:
         return ModelConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(f"{source}: {one_line(e)}") from None
-
-
-def one_line(e: ValidationError) -> str:
-    """The first validation problem as `field: message`."""
-    err = e.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "config"
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "extra_forbidden":
-        nested = err["loc"][:1] == ("moe",) and len(err["loc"]) > 1
-        msg = f"unknown field; valid fields: {', '.join((MoEConfig if nested else ModelConfig).model_fields)}"
-    elif err["type"] == "missing":
-        msg = "required field is missing"
-    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-    return f"{loc}: {msg}{more}"

@@ -14,7 +14,7 @@ Try it: `pytest tests/models/test_replay.py -q`.
 Both modes intercept only the fused attention kernels SDPA dispatches to (the CPU's flash kernel, CUDA's
 flash, memory-efficient and cuDNN kernels); a recompute that calls another, or calls them in another order
 or on other shapes, is refused rather than replayed wrongly. The contexts only make a mode current for this
-thread; the model enters it around each attention call alone (`attention_scope`, models/transformer.py
+thread; the model enters it around each attention call alone (`attention_scope`, models/layers.py
 causal_attention), so the block's other ops never pass through Python dispatch: over the whole block, every
 op did, and `small`'s streamed step at 56 MiB (2 x 128 tokens, CPU) ran 8% slower with replay than without.
 Packed micro-batches attend per document with a data-dependent number of calls, so only unpacked units replay

@@ -1,6 +1,6 @@
 """Sequence-tiled pieces of a unit: token-wise work run over chunks of the sequence, in forward and backward.
 
-Where it sits: transformer.py runs the token-wise parts of a block through `tiled` when
+Where it sits: layers.py runs the token-wise parts of a block through `tiled` when
 `StepInputs.chunk_tokens` is shorter than the sequence: the input norm with the q/k/v projections and RoPE,
 the output projection, and the post-attention norm with the MLP (the attention core between them is one
 fused flash call over the whole sequence). The planner's `chunks` pass picks the chunk size

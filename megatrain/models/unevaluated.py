@@ -10,7 +10,7 @@ the same bits), while the product itself is an uninitialised tensor of its shape
 d_model x ffn_dim x 2 FLOPs per token of every recomputed dense block, about a fifth of a Llama block's
 forward, which per-layer activation checkpointing (Hugging Face's, torch.utils.checkpoint) spends again.
 Tiled blocks (tiled.py) recompute each tile in backward with its projections unevaluated, and a tiled
-residual block's recompute runs no MLP tile at all (transformer.py).
+residual block's recompute runs no MLP tile at all (layers.py).
 
 The mode intercepts only matrix products (`mm`, `addmm`, `bmm`) below autograd; views and every other op
 run as usual. The output buffer is allocated through the dispatcher like the product's would be, so a mode

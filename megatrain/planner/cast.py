@@ -26,7 +26,7 @@ than host only when it shortens the step by more than SAVING (host holds the lea
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Buffer, Program
@@ -34,10 +34,11 @@ from megatrain.ir.program import Buffer, Program
 from .bytesize import format_bytes
 from .collectives import cost_model
 from .costs import CostModel, default_cast
-from .estimate import Estimate, estimate_time
+from .estimate import estimate_time
 from .hardware import Hardware
 from .host_policy import HostPolicy, aligned, staging_elems
 from .report import program_host_breakdown
+from .state import CastChoice
 from .timeline import program_timeline
 from .world import World
 
@@ -75,18 +76,6 @@ def check(program: Program, ir: ModelIR) -> list[str]:
         return []
     need = f"one static `{BUFFER}` buffer of {want[0][2]} bytes" if want else "no cast_stage buffer"
     return [f"cast {where!r} needs {need}; the program has {got or 'none'} (name, static, bytes)"]
-
-
-@dataclass(frozen=True)
-class Choice:
-    where: str
-    program: Program
-    costs: CostModel
-    estimate: Estimate
-    elements_per_s: float | None  # the rate the chosen place's cast is priced at
-    reason: str
-    step_s: dict[str, float]  # every place that fits: its predicted step
-    lines: tuple[str, ...]
 
 
 def rate(hw: Hardware, costs: CostModel, where: str) -> float | None:
@@ -141,12 +130,12 @@ def guess(ir: ModelIR, hw: Hardware, policy: HostPolicy, clip: bool, world: Worl
 
 
 def choose(ir: ModelIR, hw: Hardware, policy: HostPolicy, clip: bool, world: World, program: Program,
-           budget: int, rank_irs: tuple[ModelIR, ...], only: str | None = None) -> Choice:
+           budget: int, rank_irs: tuple[ModelIR, ...], only: str | None = None) -> CastChoice:
     """The place of the compute-dtype cast for `program` (its program, costs, estimate and decision lines);
     `only`: price that place alone (the program was searched again with its prices)."""
     if ir.dtype == "float32":
         prog, costs = with_cast(program, ir, "none"), cost_model(ir, hw, policy, clip, world, "none")
-        return Choice("none", prog, costs, estimate_time(prog, costs), None,
+        return CastChoice("none", prog, costs, estimate_time(prog, costs), None,
                       "fp32 compute: the pinned fp32 masters cross the link themselves; nothing is cast", {},
                       ("none: fp32 compute, the pinned fp32 masters cross the link themselves",))
     peak = program_timeline(program).peak
@@ -169,10 +158,10 @@ def choose(ir: ModelIR, hw: Hardware, policy: HostPolicy, clip: bool, world: Wor
     for w in rows:
         lines.append(_line(ir, hw, w, rows[w][1], step[w], rows[w][2].bottleneck, policy, world, rank_irs, rows[w][0]))
     reason = _reason(hw, where, step)
-    return Choice(where, prog, costs, est, rate(hw, costs, where), reason, step, (f"{where}: {reason}", *lines))
+    return CastChoice(where, prog, costs, est, rate(hw, costs, where), reason, step, (f"{where}: {reason}", *lines))
 
 
-def searched_again(first: Choice, again: Choice, hw: Hardware, searched: str) -> Choice:
+def searched_again(first: CastChoice, again: CastChoice, hw: Hardware, searched: str) -> CastChoice:
     """`again` (the place `first` chose, priced alone on the schedule searched again with its prices) with
     `first`'s alternatives: every place's step, the reason against them, and the lines of both."""
     step = {**first.step_s, again.where: again.estimate.step_time_s}

@@ -10,7 +10,7 @@ Model (measured, not fitted): the probe times a representative op of each stream
 stream is kept busy, giving factors f[s][t] >= 1 (op on stream s, stream t busy). An op of stream s whose
 span overlaps stream t's work for a fraction o_t of its length takes d x (1 + sum_t o_t (f[s][t] - 1)): it is
 slowed for the part of its life it shares. The overlaps depend on the durations, so the schedule is solved
-by a damped fixed point over the unrolled steps (the DAG's own pass, estimate.unrolled_finish), overlaps
+by a damped fixed point over the unrolled steps (the DAG's own pass, `unrolled_finish`), overlaps
 read on the middle step, which sees both neighbours (the host optimizer of one step runs beside the next
 step's forward). It assumes slowdowns add across streams and do not depend on which op of the other stream
 runs; the probe measures each pair with the ops that dominate their streams.
@@ -29,8 +29,6 @@ STEPS = 4  # unrolled: the middle steps see a neighbour on each side
 def contended(instrs, durations: list[float], costs) -> list[float]:
     """Per-instruction durations of a steady step with every work op stretched by its overlaps (see the
     module docstring); `durations` are the ops alone."""
-    from .estimate import unrolled_finish
-
     factors = costs.contention
     n = len(instrs)
     base = list(durations)
@@ -72,3 +70,34 @@ def _overlap(spans: list[tuple[float, float]], starts: list[float], a: float, b:
             total += hi - lo
         k += 1
     return total
+
+
+def unrolled_finish(instrs, durations: list[float], steps: int, event_latency: float = 0.0,
+                    step_gap: float = 0.0) -> list[list[float]]:
+    """Finish time of every instruction of every unrolled step, by one pass in program order (the DAG's
+    semantics: stream order, record -> wait with `event_latency` across streams, and each step issued
+    `step_gap` after the previous step's last compute instruction)."""
+    records = {ins.event: i for i, ins in enumerate(instrs) if ins.op == "record"}
+    n = len(instrs)
+    finish = [[0.0] * n for _ in range(steps)]
+    last: dict[str, float] = {}
+    last_compute = max((i for i, ins in enumerate(instrs) if ins.stream == "compute"), default=None)
+    for c in range(steps):
+        fc = finish[c]
+        issued = finish[c - 1][last_compute] + step_gap if c and last_compute is not None else 0.0
+        seen: set[str] = set()
+        for i, ins in enumerate(instrs):
+            start = last.get(ins.stream, 0.0)
+            if ins.stream not in seen:
+                seen.add(ins.stream)
+                start = max(start, issued)
+            if ins.op == "wait":
+                r = records.get(ins.event)
+                lat = event_latency if r is not None and instrs[r].stream != ins.stream else 0.0
+                if r is not None and r < i:
+                    start = max(start, fc[r] + lat)
+                elif r is not None and c > 0:
+                    start = max(start, finish[c - 1][r] + lat)
+            fc[i] = start + durations[i]
+            last[ins.stream] = fc[i]
+    return finish

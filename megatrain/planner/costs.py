@@ -170,13 +170,12 @@ class CostModel:
         op = ins.op
         if op == "forward":
             i = self.index[ins.unit]
-            t = (self.fwd_graph[i] if ins.keep_graph else self.fwd_record[i] if ins.rebuild
-                 else self.fwd_replay[i] if ins.replay else self.fwd[i])
+            t = {"keep": self.fwd_graph, "rebuild": self.fwd_record, "replay": self.fwd_replay}.get(ins.mode, self.fwd)[i]
             return t * self.warm_fwd[i] if warm else t
         if op == "backward":
-            keep = any(r.startswith("saved.") for r in ins.reads)
             i = self.index[ins.unit]
-            t = self.backward(i, keep, ins.rebuild, ins.replay) + (self.norm[i] if ins.norm else 0.0)
+            t = (self.backward(i, ins.source == "saved", ins.source == "rebuild", ins.source == "replay")
+                 + (self.norm[i] if ins.norm else 0.0))
             return t * self.warm_bwd[i] if warm else t
         if op == "load_params":
             return self.load[self.index[ins.unit]]

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from megatrain.models.config import ModelConfig
-from megatrain.models.depth.spec import RANKS, parse_depth
+from megatrain.models.depth.spec import DEFAULT_CHUNK, RANKS, parse_depth
 
 from .bytesize import format_bytes
 from .errors import InfeasiblePlanError
@@ -41,11 +41,12 @@ def with_depth(config: ModelConfig, spec: str) -> ModelConfig:
 
 def rank_config(config: ModelConfig, rank: int) -> ModelConfig:
     """`config` as DepthSSD-`rank`; a model with another non-residual depth mixing is refused."""
-    kind = parse_depth(config.depth_mixing).kind
-    if kind not in ("residual", "depthssd"):
+    spec = parse_depth(config.depth_mixing)
+    if spec.kind not in ("residual", "depthssd"):
         raise ValueError(f"--depth-rank sets DepthSSD's rank, but the model mixes depth with {config.depth_mixing}; "
                          "drop --depth-rank or use --depth-mixing depthssd")
-    return with_depth(config, f"depthssd:{rank}")
+    chunk = f":chunk={spec.chunk}" if spec.kind == "depthssd" and spec.chunk != DEFAULT_CHUNK else ""
+    return with_depth(config, f"depthssd:{rank}{chunk}")  # the model's state read kept
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """Printing a Plan: the summary, a per-unit table, the memory timeline as a sparkline, and `--explain`.
 
-Where it sits: `str(plan)` and `megatrain plan` call `format_plan`; tests/planner/golden/ holds the printed
-plan of the tiny preset so a schedule change shows up in review. Try it:
-`megatrain plan --model tiny --hardware cpu --seq-len 128 --micro-batch 2 --explain`.
+Where it sits: above plan.py (a Plan does not print itself: `format_plan(plan)` does, as `megatrain plan` calls
+it); tests/planner/golden/ holds the printed plan of the tiny preset so a schedule change shows up in review.
+Try it: `megatrain plan --model tiny --hardware cpu --seq-len 128 --micro-batch 2 --explain`.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import networkx as nx
 
 from megatrain.ir.program import Program
 
-from .contention import contended
+from .contention import contended, unrolled_finish
 from .costs import CostModel
 
 RESOURCES = {"forward": "compute", "backward": "compute", "load_params": "h2d", "load_act": "h2d",
@@ -147,34 +147,3 @@ def step_period(instrs, durations: list[float], steps: int = STEPS, event_latenc
     finish = unrolled_finish(instrs, durations, steps, event_latency, step_gap)
     ends = [max(fc) for fc in finish]
     return ends[-1] - ends[-2], ends[0]
-
-
-def unrolled_finish(instrs, durations: list[float], steps: int = STEPS, event_latency: float = 0.0,
-                    step_gap: float = 0.0) -> list[list[float]]:
-    """Finish time of every instruction of every unrolled step, by one pass in program order (the DAG's
-    semantics: stream order, record -> wait with `event_latency` across streams, and each step issued
-    `step_gap` after the previous step's last compute instruction)."""
-    records = {ins.event: i for i, ins in enumerate(instrs) if ins.op == "record"}
-    n = len(instrs)
-    finish = [[0.0] * n for _ in range(steps)]
-    last: dict[str, float] = {}
-    last_compute = max((i for i, ins in enumerate(instrs) if ins.stream == "compute"), default=None)
-    for c in range(steps):
-        fc = finish[c]
-        issued = finish[c - 1][last_compute] + step_gap if c and last_compute is not None else 0.0
-        seen: set[str] = set()
-        for i, ins in enumerate(instrs):
-            start = last.get(ins.stream, 0.0)
-            if ins.stream not in seen:
-                seen.add(ins.stream)
-                start = max(start, issued)
-            if ins.op == "wait":
-                r = records.get(ins.event)
-                lat = event_latency if r is not None and instrs[r].stream != ins.stream else 0.0
-                if r is not None and r < i:
-                    start = max(start, fc[r] + lat)
-                elif r is not None and c > 0:
-                    start = max(start, finish[c - 1][r] + lat)
-            fc[i] = start + durations[i]
-            last[ins.stream] = fc[i]
-    return finish

@@ -42,12 +42,12 @@ from .profile import UnitProfile
 
 GiB = 2**30
 # Store creation, where a profile does not say: round figures at the low end of what the 2-core CI VM reached
-# creating an 8.7 GiB store (docs/RESULTS.md "Store creation (time to first step)": its first touch is a fault in
-# the hypervisor too, 0.2-0.5 GB/s), so a profile without them predicts too long rather than too short.
+# creating a 9 GiB store (docs/RESULTS.md "Store creation (time to first step)"; its first touch faults in the
+# hypervisor too), so a profile without them predicts too long rather than too short.
 DEFAULT_TOUCH_BYTES_PER_S = 4e8
 DEFAULT_INIT_PARAMS_PER_S = 1.5e8
-# GPU servers: assumed, not measured: 16 creation threads first touching at 2.5 GB/s each (the kernel zeroing
-# 2 MiB pages), and 16 threads drawing 250M normal values/s each (one core of the CI VM drew 290M/s)
+# GPU servers: assumed, not measured: 16 creation threads, each first touching as fast as the kernel zeroes 2 MiB
+# pages and drawing normal values a little slower than one core of the CI VM did
 SERVER_TOUCH = {"host_touch_bytes_per_s": 40e9, "host_init_params_per_s": 4e9}
 MATMUL_EFFICIENCY = 0.75
 LINK_EFFICIENCY = 0.85

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Buffer, Instr, Program
@@ -26,17 +24,15 @@ from .chunking import choose_chunk
 from .collectives import cost_model, decision_lines, lower_collectives
 from .costs import CostModel
 from .errors import InfeasiblePlanError
-from .estimate import Estimate, estimate_time
+from .estimate import estimate_time
 from .hardware import Hardware, resolve_hardware
-from .host_policy import PAGE, PIN_ALIGN, HostPolicy, checkpoint_buffers, checkpoint_host_bytes, choose
+from .host_policy import PAGE, PIN_ALIGN, _suggest, checkpoint_buffers, checkpoint_host_bytes, choose
 from .optimizer_order import choose_split
 from .placement import exact_timeline, minimal, search
 from .plan import PassRecord, Plan
 from .report import plan_fields
 from .schedule import (
     Decisions,
-    Op,
-    Order,
     buffer_specs,
     check_model,
     grad_slot_bytes,
@@ -44,6 +40,7 @@ from .schedule import (
     make_order,
     slot_bytes,
 )
+from .state import State
 from .sync import insert_sync
 from .timeline import Timeline, live_at, program_timeline
 from .train import TrainSpec
@@ -51,45 +48,13 @@ from .transfers import staging_bytes
 from .verify import verify
 from .world import World, rank_ir, world_ir
 
-
-@dataclass(frozen=True)
-class State:
-    ir: ModelIR
-    hw: Hardware
-    train: TrainSpec
-    budget: int
-    costs: CostModel
-    host_request: str = "auto"
-    world: World = World()  # the ranks this rank trains with; `train` is one rank's share of the global step
-    global_train: TrainSpec | None = None  # the whole step (every rank's micro-batches); None: `train`
-    rank_irs: tuple[ModelIR, ...] = ()  # each rank's host view of `ir` (world.rank_ir); () for one rank
-    policy: HostPolicy | None = None
-    host_floor: int = 0  # host bytes of the policy's state, fewest gradient buffers and staging (of a node)
-    host_reason: str = ""
-    decisions: Decisions | None = None
-    order: Order | None = None
-    ops: tuple[Op, ...] | None = None
-    buffers: tuple[Buffer, ...] | None = None
-    program: Program | None = None
-    timeline: Timeline | None = None
-    estimate: Estimate | None = None
-    cast: cast_place.Choice | None = None
-    # the place of the compute-dtype cast the schedule is searched with (cast_prices_pass, or _replan's), and
-    # what that place holds beyond the host place's: the search leaves these bytes free
-    searched_cast: str | None = None
-    device_reserve: int = 0  # device bytes of the "gpu" place's staging buffer
-    host_reserve: int = 0  # node host bytes of the "copy" place beyond the staging ring
-    first_cast: cast_place.Choice | None = None  # the cast pass's choice on the first search, when searched again
-    first_searched: str | None = None  # the place the first search was priced with
-
-
 Pass = Callable[[State], tuple[State, list[str]]]
 
 
 def host_policy_pass(s: State) -> tuple[State, list[str]]:
     """How the host holds the model state (host_policy.py): the named policy, or auto's choice; the host
     feasibility floor."""
-    clip = s.train.clip_norm is not None
+    clip = s.barrier
     node = None
     if s.rank_irs:  # a node holds its ranks' shares: the floor of the node holding the most
         from .host_policy import floor_bytes
@@ -106,7 +71,7 @@ def host_policy_pass(s: State) -> tuple[State, list[str]]:
 
 def chunks_pass(s: State) -> tuple[State, list[str]]:
     """Tokens per tile of the units' token-wise work (chunking.py): the fastest size that fits."""
-    clip = s.train.clip_norm is not None
+    clip = s.barrier
     ir, lines = choose_chunk(s.ir, s.hw, s.train.grad_accum, clip, s.budget, s.policy, s.host_floor)
     if ir is s.ir:
         return s, lines
@@ -123,7 +88,7 @@ def slots_pass(s: State) -> tuple[State, list[str]]:
     """Slot sizes and the feasibility floor: the least-memory schedule must fit the GPU."""
     ir, hw, K = s.ir, s.hw, s.train.grad_accum
     low = minimal(ir)
-    tl = exact_timeline(ir, K, low, s.train.clip_norm is not None)
+    tl = exact_timeline(ir, K, low, s.barrier)
     need = hw.gpu_bytes(tl.peak)
     big = max(ir.units, key=lambda u: u.flat_numel)
     lines = [f"parameter slot = largest unit ({big.name}) in {ir.dtype}: {format_bytes(slot_bytes(ir))}; "
@@ -135,7 +100,7 @@ def slots_pass(s: State) -> tuple[State, list[str]]:
         lines.append(f"NOTE: the IR was traced for {ir.target} kernels but {hw.name} runs {hw.device} ones: "
                      "workspace figures may differ; trace with the matching target for exact peaks")
     if need > s.budget:
-        what, _ = _dominant(ir, K, low, s.train.clip_norm is not None, tl, hw)
+        what, _ = _dominant(ir, K, low, s.barrier, tl, hw)
         tiles = "" if ir.chunk_tokens is None else f" with units tiled in chunks of {ir.chunk_tokens:,} tokens"
         raise InfeasiblePlanError(
             f"GPU budget {format_bytes(s.budget)} is too small for {ir.model} (micro-batch {ir.micro_batch} x "
@@ -154,7 +119,7 @@ def checkpoints_pass(s: State) -> tuple[State, list[str]]:
     # checkpoint staging buffers should a checkpoint too long for its own pinned copy go to the host
     slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) + len(u.replay) for u in s.ir.units) + \
         staging_bytes(max((u.carry_in_bytes for u in s.ir.units), default=0))
-    dec, lines, tl = search(s.ir, s.costs, s.train.grad_accum, s.train.clip_norm is not None, device_budget,
+    dec, lines, tl = search(s.ir, s.costs, s.train.grad_accum, s.barrier, device_budget,
                             _host_room(s) - slack)
     if tl.peak > device_budget:  # host too small for the checkpoints the GPU cannot take either
         K = s.train.grad_accum
@@ -186,8 +151,9 @@ def order_pass(s: State) -> tuple[State, list[str]]:
 
 def optimizer_pass(s: State) -> tuple[State, list[str]]:
     """Host AdamW order: as gradients land, or behind the next forward (optimizer_order.py)."""
-    if s.train.clip_norm is not None:
-        return s, [f"clip_norm {s.train.clip_norm:g}: clip_grads after every store, then every unit steps in "
+    if s.barrier:
+        why = f"clip_norm {s.train.clip_norm:g}" if s.train.clip_norm is not None else "a step applied whole"
+        return s, [f"{why}: clip_grads after every store, then every unit steps in "
                    "forward order while the next forward streams right behind (docs/DESIGN.md 4.5)"]
     held = checkpoint_host_bytes(checkpoint_buffers(s.ir, s.decisions.placement, s.train.grad_accum,
                                                     s.decisions.replay))
@@ -198,7 +164,7 @@ def optimizer_pass(s: State) -> tuple[State, list[str]]:
 
 
 def lower_pass(s: State) -> tuple[State, list[str]]:
-    ops = lower_ops(s.ir, s.order, s.decisions.placement, s.train.clip_norm is not None,
+    ops = lower_ops(s.ir, s.order, s.decisions.placement, s.barrier,
                     s.decisions.optimizer_split, host_grad_ring=s.decisions.host_grad_ring, replay=s.decisions.replay)
     counts: dict[str, int] = {}
     for op in ops:
@@ -240,7 +206,7 @@ def sync_pass(s: State) -> tuple[State, list[str]]:
 def cast_prices_pass(s: State) -> tuple[State, list[str]]:
     """The place of the compute-dtype cast whose prices the schedule search uses (cast.py `guess`: the least
     busiest-resource bound within the bytes the least-memory schedule leaves); the `cast` pass decides."""
-    clip = s.train.clip_norm is not None
+    clip = s.barrier
     peak = exact_timeline(s.ir, s.train.grad_accum, minimal(s.ir), clip).peak
     room = (s.hw.device_bytes_for(s.budget) - peak, s.hw.host_memory_bytes - s.host_floor)
     where, lines = cast_place.guess(s.ir, s.hw, s.policy, clip, s.world, s.rank_irs, s.train.grad_accum, room)
@@ -252,7 +218,7 @@ def cast_prices_pass(s: State) -> tuple[State, list[str]]:
 def _searched_with(s: State, where: str) -> State:
     """`s` with the op prices of the cast at `where` and its extra bytes left free for the search."""
     device, host = cast_place.reserves(s.ir, where, s.world, s.rank_irs)
-    return dataclasses.replace(s, costs=cost_model(s.ir, s.hw, s.policy, s.train.clip_norm is not None, s.world,
+    return dataclasses.replace(s, costs=cost_model(s.ir, s.hw, s.policy, s.barrier, s.world,
                                                    where), searched_cast=where, device_reserve=device,
                                host_reserve=host)
 
@@ -261,7 +227,7 @@ def cast_pass(s: State) -> tuple[State, list[str]]:
     """Where the compute-dtype cast runs (cast.py): host, gpu or copy, the fastest the budgets allow, by the
     estimator on this program."""
     first = s.first_cast
-    c = cast_place.choose(s.ir, s.hw, s.policy, s.train.clip_norm is not None, s.world, s.program, s.budget,
+    c = cast_place.choose(s.ir, s.hw, s.policy, s.barrier, s.world, s.program, s.budget,
                           s.rank_irs, only=s.searched_cast if first is not None else None)
     if first is not None:  # searched again with the place the first program's estimates chose
         c = cast_place.searched_again(first, c, s.hw, s.first_searched)
@@ -294,12 +260,14 @@ PASSES: tuple[tuple[str, Pass], ...] = (
 
 
 def plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_bytes: int | str | None = None,
-         host_policy: str = "auto", world: World | None = None) -> Plan:
+         host_policy: str = "auto", world: World | None = None, barrier: bool = False) -> Plan:
     """Plan one optimizer step of `ir` on `hardware` under `gpu_budget_bytes` (default: the GPU's memory),
     holding the host state under `host_policy` (a name of host_policy.POLICIES, or auto: the most exact that
     fits). With `world` (World(nproc=R, nnodes=N)): the step of one of R data-parallel ranks, each running
     grad_accum / R of the global step's micro-batches, the model state sharded (world.py). Raises
-    InfeasiblePlanError (a ValueError) naming the smallest budget that works."""
+    InfeasiblePlanError (a ValueError) naming the smallest budget that works. With `barrier`, the host optimizer
+    starts once every gradient has landed (the clip_grads barrier) even without clipping: a step that is
+    applied whole or not at all (the runtime's on_nan="skip") needs it."""
     if not isinstance(ir, ModelIR):
         raise ValueError(f"plan takes a ModelIR (megatrain.trace(model, micro_batch, seq_len)), got "
                          f"{type(ir).__name__}")
@@ -309,16 +277,16 @@ def plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_byt
     if world is not None and not isinstance(world, World):
         raise ValueError(f"world must be a World, e.g. World(nproc=8), got {type(world).__name__}")
     paused = gc.isenabled()
-    gc.disable()  # NOTE: planning builds ~1e5 small acyclic objects; the cyclic GC would cost ~30% for nothing
+    gc.disable()  # NOTE: planning builds many small acyclic objects; the cyclic GC would cost time for nothing
     try:
-        return _plan(ir, hardware, train, gpu_budget_bytes, host_policy, world or World())
+        return _plan(ir, hardware, train, gpu_budget_bytes, host_policy, world or World(), barrier)
     finally:
         if paused:
             gc.enable()
 
 
 def _plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_bytes: int | str | None,
-          host_policy: str, world: World) -> Plan:
+          host_policy: str, world: World, barrier: bool) -> Plan:
     t0 = time.perf_counter()
     hw = resolve_hardware(hardware)
     budget = hw.gpu_memory_bytes if gpu_budget_bytes is None else parse_bytes(gpu_budget_bytes)
@@ -327,7 +295,7 @@ def _plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_by
     ir = world_ir(ir, world.nproc)
     ranks = tuple(rank_ir(ir, world.nproc, r) for r in range(world.nproc)) if world.nproc > 1 else ()
     state = State(ir=ir, hw=hw, train=local, budget=budget, costs=CostModel(ir, hw), host_request=host_policy,
-                  world=world, global_train=train, rank_irs=ranks)
+                  world=world, global_train=train, rank_irs=ranks, barrier=barrier or train.clip_norm is not None)
     records: list[PassRecord] = []
     base = _run(state, records, PASSES[:SCHEDULE])
     head = list(records)
@@ -382,15 +350,6 @@ def _check_inputs(ir: ModelIR, hw: Hardware, train: TrainSpec, budget: int) -> N
                          f"{hw.name}; lower --gpu-mem or use a profile with more GPU memory")
 
 
-def _suggest(nbytes: int) -> str:
-    """A flag value at least `nbytes`: rounded up to 0.01 TiB, 0.1 GiB or 1 MiB."""
-    if nbytes >= 2**40:
-        return f"{math.ceil(nbytes / 2**40 * 100) / 100:g}TiB"
-    if nbytes >= 2**30:
-        return f"{math.ceil(nbytes / 2**30 * 10) / 10:g}GiB"
-    return f"{math.ceil(nbytes / 2**20)}MiB"
-
-
 def _dominant(ir: ModelIR, K: int, dec: Decisions, clip: bool, tl: Timeline, hw: Hardware) -> tuple[str, int]:
     """The largest component of the device peak of `dec`'s program."""
     # NOTE: compute_only, as exact_timeline lowers: tl.index points into that list
@@ -413,13 +372,3 @@ def _dominant(ir: ModelIR, K: int, dec: Decisions, clip: bool, tl: Timeline, hw:
     parts["reserved bytes and allocator margin"] = hw.gpu_bytes(tl.peak) - tl.peak
     what = max(parts, key=lambda k: parts[k])
     return f"{what} ({format_bytes(parts[what])} of {format_bytes(hw.gpu_bytes(tl.peak))})", parts[what]
-
-
-def program_for(ir: ModelIR, n_micro: int, decisions: Decisions, clip: bool = False) -> Program:
-    """The synced Program for explicit decisions, without the search or the budget (tests, experiments)."""
-    order = make_order(len(ir.units), n_micro, decisions)
-    ops, _ = insert_sync(lower_ops(ir, order, decisions.placement, clip, decisions.optimizer_split,
-                                   host_grad_ring=decisions.host_grad_ring, replay=decisions.replay), ir)
-    bufs = tuple(Buffer(name=n, kind=k, nbytes=b, static=st, unit=u, mb=m)
-                 for n, k, b, st, u, m in buffer_specs(ir, n_micro, decisions))
-    return Program(n_micro_batches=n_micro, buffers=bufs, instrs=tuple(Instr(**op.fields()) for op in ops))

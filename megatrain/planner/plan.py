@@ -153,8 +153,3 @@ class Plan(IRModel):
             "planner_seconds": self.planner_seconds,
             "units": [u.model_dump() for u in self.units],
         }
-
-    def __str__(self) -> str:
-        from .display import format_plan
-
-        return format_plan(self)

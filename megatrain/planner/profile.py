@@ -20,19 +20,17 @@ Keys: a profile is valid for one (device, model shape, micro-batch, sequence len
 chunk, thread settings, compile mode) and one torch version; `profile_key` hashes them. The cache holds one
 Hardware JSON (the machine's figures and this UnitProfile) per key under $MEGATRAIN_CACHE/profiles (default
 ~/.cache/megatrain/profiles; MEGATRAIN_PROFILES overrides the folder); a file that does not parse or
-validate, or whose key does not match, is ignored (`read_cached` returns None), so a probe measures it again.
+validate, or whose key does not match, is ignored (profile_cache.py `read_cached` returns None), so a probe
+measures it again.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-from pathlib import Path
 
-from pydantic import Field, ValidationError
+from pydantic import Field
 
-from megatrain.files import cache_root, check_cache_writable, read_json, write_atomic
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
@@ -42,7 +40,6 @@ PROFILE_VERSION = 10  # 2: warm repeats of forward and recompute-backward; 3: th
 # 7: the host kernel's AVX-512 fp8 loop (fp8's rate); 8: fp8's one-division update (fp8's rate); 9: fp8's codes
 # through fp16 and fused update (fp8's rate); 10: loads per place of the compute-dtype cast (`load_cast_s`), the
 # host cast in C (runtime/cast_kernel.c)
-MAX_PROFILE_BYTES = 4 << 20
 
 
 class UnitTimes(IRModel):
@@ -54,7 +51,7 @@ class UnitTimes(IRModel):
     forward_s: float = Field(ge=0, description="forward without autograd (checkpoint on device or host)")
     forward_warm_s: float | None = Field(None, ge=0, description="forward again right after one of its own: "
                                          "a later micro-batch of a layer-major pass, weights in cache")
-    forward_graph_s: float = Field(ge=0, description="forward keeping its autograd graph (`keep_graph`)")
+    forward_graph_s: float = Field(ge=0, description="forward keeping its autograd graph (mode keep)")
     backward_s: float = Field(ge=0, description="backward from the kept graph, gradients written")
     recompute_backward_s: float = Field(ge=0, description="backward recomputing the forward from the checkpoint")
     recompute_backward_warm_s: float | None = Field(None, ge=0, description="the same right after one of its own")
@@ -139,40 +136,3 @@ def key_of(p: UnitProfile) -> str:
 
 def matches(p: UnitProfile, ir: ModelIR) -> bool:
     return all(getattr(p, k) == v for k, v in ir_identity(ir).items())
-
-
-# -- the cache ---------------------------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """Where profiles are cached: $MEGATRAIN_PROFILES, else $MEGATRAIN_CACHE/profiles, else
-    ~/.cache/megatrain/profiles."""
-    if os.environ.get("MEGATRAIN_PROFILES"):
-        return Path(os.environ["MEGATRAIN_PROFILES"])
-    return cache_root() / "profiles"
-
-
-def cache_path(key: str) -> Path:
-    return cache_dir() / f"hardware-{key}.json"
-
-
-def read_cached(key: str):
-    """The cached Hardware profile (with its UnitProfile) of `key`, or None when there is none or it is
-    corrupt (not JSON, not a valid profile, or a key that does not match its fields): a probe then measures it
-    again, and a run plans without it."""
-    from .hardware import Hardware
-
-    path = cache_path(key)
-    if not path.is_file():
-        return None
-    try:
-        hw = Hardware.model_validate(read_json(path, MAX_PROFILE_BYTES, "a cached hardware profile"))
-    except (ValueError, ValidationError):
-        return None
-    u = hw.units
-    return hw if u is not None and u.key == key and key_of(u) == key and u.version == PROFILE_VERSION else None
-
-
-def write_cached(hw) -> Path:
-    """Cache a Hardware profile carrying a UnitProfile under its key."""
-    path = cache_path(hw.units.key)
-    check_cache_writable(path.parent, "a probed profile")
-    return write_atomic(path, hw.to_json(indent=1) + "\n", "the profile cache")

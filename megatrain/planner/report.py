@@ -17,7 +17,7 @@ from .host_policy import HostPolicy, host_layout, resolve
 from .plan import PassRecord, UnitPlan
 
 if TYPE_CHECKING:
-    from .passes import State
+    from .state import State
 
 
 def program_host_breakdown(ir: ModelIR, program: Program, policy: HostPolicy | str) -> dict[str, int]:

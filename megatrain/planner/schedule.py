@@ -15,13 +15,12 @@ the forward stay resident for the backward and every reload lands in the slot th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, make_dataclass
 
 from megatrain.ir.model_ir import ModelIR
+from megatrain.ir.program import SOURCE_OF, Instr
 
 Placement = str  # "device" | "host" | "keep" | "rebuild"
-INSTR_FIELDS = ("op", "stream", "unit", "mb", "slot", "grad_slot", "event", "buffer", "keep_graph",
-                "accumulate", "rebuild", "replay", "norm", "host_grad", "shard", "reads", "writes", "workspace_bytes")
 
 
 @dataclass(frozen=True)
@@ -47,26 +46,15 @@ class Decisions:
         return self.n_slots - 1
 
 
-class Op:
-    """A lightweight instruction with the fields of `ir.program.Instr` (converted once, at the end)."""
+def _fields(self) -> dict:
+    return {f: getattr(self, f) for f in self.__slots__}
 
-    __slots__ = INSTR_FIELDS
 
-    def __init__(self, op: str, stream: str, unit: str | None = None, mb: int | None = None,
-                 slot: int | None = None, grad_slot: int | None = None, event: str | None = None,
-                 buffer: str | None = None, keep_graph: bool = False, accumulate: bool = False,
-                 rebuild: bool = False, norm: bool = False, host_grad: int | None = None, shard: bool = False,
-                 reads: tuple[str, ...] = (), writes: tuple[str, ...] = (), workspace_bytes: int = 0,
-                 replay: bool = False):
-        self.op, self.stream, self.unit, self.mb = op, stream, unit, mb
-        self.slot, self.grad_slot, self.event, self.buffer = slot, grad_slot, event, buffer
-        self.keep_graph, self.accumulate, self.rebuild = keep_graph, accumulate, rebuild
-        self.norm, self.host_grad, self.shard = norm, host_grad, shard
-        self.reads, self.writes, self.workspace_bytes = reads, writes, workspace_bytes
-        self.replay = replay
-
-    def fields(self) -> dict:
-        return {f: getattr(self, f) for f in INSTR_FIELDS}
+# A lightweight instruction with the fields of `ir.program.Instr`, taken from it (converted once, at the end: the
+# validator is too slow for the placement search's many candidate lowerings). op and stream are positional.
+Op = make_dataclass("Op", [("op", str), ("stream", str)] + [
+    (name, object, field(default=f.default, kw_only=True)) for name, f in Instr.model_fields.items()
+    if name not in ("op", "stream")], slots=True, eq=False, namespace={"fields": _fields})
 
 
 def carry(unit: str, mb: int) -> str:
@@ -242,6 +230,10 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
     for i in order.reloads:
         bwd_queue.setdefault(slot[i], []).append(i)
 
+    def mode(i: int) -> str:
+        """The forward mode of unit i: what its checkpoint placement keeps (ir/program.py ForwardMode)."""
+        return "keep" if place[i] == "keep" else "rebuild" if place[i] == "rebuild" else "replay" if rep[i] else "plain"
+
     def load(i: int) -> None:
         if compute_only:
             return
@@ -261,8 +253,8 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
         load(fwd_queue[k].pop(0))
     # NOTE: an offloaded attention record is freed after the next forward, not right after its own: freeing
     # it waits for its copy, which leaves just after the forward that made it, and the compute stream would
-    # idle through that wait (on the 2-core sim device 1.5 ms at each unit's last micro-batch, while the next
-    # unit's load took the other core). One more record is alive during that forward; the timeline counts it.
+    # idle through that wait (on the 2-core sim device, at each unit's last micro-batch, while the next unit's
+    # load took the other core). One more record is alive during that forward; the timeline counts it.
     deferred: list[Op] = []
     for p, i in enumerate(order.forward):
         u = units[i]
@@ -278,9 +270,8 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
                 writes.append(attn(u.name, mb))
             # NOTE: a replaying forward's workspace is its plain one, an upper bound: the record it keeps is
             # allocated inside the forward and counted again as the attention buffer
-            ops.append(Op("forward", "compute", unit=u.name, mb=mb, slot=slot[i], keep_graph=keep,
-                          rebuild=rebuild, replay=rep[i], reads=reads(i, mb), writes=tuple(writes),
-                          workspace_bytes=u.peak_fwd_bytes))
+            ops.append(Op("forward", "compute", unit=u.name, mb=mb, slot=slot[i], mode=mode(i),
+                          reads=reads(i, mb), writes=tuple(writes), workspace_bytes=u.peak_fwd_bytes))
             ops += deferred
             deferred = []
             if nxt is not None and place[nxt] == "host" and not compute_only:
@@ -338,7 +329,7 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
             if rebuild:  # it writes its carry-in rather than reading it
                 r = tuple(x for x in r if x != carry(u.name, mb))
             ops.append(Op("backward", "compute", unit=u.name, mb=mb, slot=slot[i], grad_slot=g,
-                          accumulate=mb > 0, rebuild=rebuild, replay=rep[i], norm=mb == order.micro_batches - 1,
+                          source=SOURCE_OF[mode(i)], accumulate=mb > 0, norm=mb == order.micro_batches - 1,
                           reads=r, writes=writes, workspace_bytes=ws))
             if up is not None:
                 ops.append(Op("free", "compute", buffer=dcarry(units[up].name, mb)))

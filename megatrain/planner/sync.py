@@ -105,8 +105,9 @@ def _dependencies(ops: list[Op], acc: list[tuple]) -> list[list[tuple[int, int]]
     return deps
 
 
-def insert_sync(ops: list[Op], ir: ModelIR) -> tuple[list[Op], list[str]]:
-    """The ops with record/wait inserted, and one decision line per kind of wait."""
+def insert_sync(ops: list[Op], ir: ModelIR, repeats: bool = True) -> tuple[list[Op], list[str]]:
+    """The ops with record/wait inserted, and one decision line per kind of wait. `repeats=False`: a program
+    run once, after the device drained (an evaluation): nothing of a previous run is waited for."""
     owners = tied_owners(ir)
     users: dict[str, list[str]] = {}
     for u, os in owners.items():
@@ -116,6 +117,8 @@ def insert_sync(ops: list[Op], ir: ModelIR) -> tuple[list[Op], list[str]]:
     hgrad = host_grad_names(ops)
     acc = [accesses(op, owners, users, names, hgrad) for op in ops]
     deps = _dependencies(ops, acc)
+    if not repeats:
+        deps = [[d for d in ds if d[0] == 1] for ds in deps]
     sid = [STREAMS.index(op.stream) for op in ops]
     counts = [sid.count(s) for s in range(len(STREAMS))]
     local, seen = [], [0] * len(STREAMS)

@@ -80,6 +80,18 @@ def program_timeline(program: Program) -> Timeline:
     return walk(program.instrs, sizes, (b.name for b in program.buffers if b.static))
 
 
+def live_bytes(program: Program) -> list[int]:
+    """Device bytes of live Program buffers after each instruction, every stream's (what the step program's
+    comments show, codegen/emit.py): a copy stream's instruction changes nothing, so it repeats the last."""
+    tl = program_timeline(program)
+    at = dict(zip(tl.index, tl.buffers))
+    live, out = sum(b.nbytes for b in program.buffers if b.static), []
+    for i in range(len(program.instrs)):
+        live = at.get(i, live)
+        out.append(live)
+    return out
+
+
 def memory_timeline(program: Program) -> list[int]:
     """Device bytes (live buffers + the running instruction's workspace) per compute-stream instruction."""
     return program_timeline(program).total

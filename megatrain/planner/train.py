@@ -21,6 +21,16 @@ MAX_GRAD_ACCUM = 65536
 MAX_STEPS = 10**9
 
 
+# Recipes: whole sets of optimizer defaults (RunConfig.from_settings fills the settings a run leaves out).
+# hf-trainer is transformers.TrainingArguments' defaults, its warmup ramp included, so a recipe ported from the
+# Hugging Face Trainer needs only the flags it changed (docs/FINETUNING.md, "Porting a Hugging Face recipe").
+RECIPES: dict[str, dict] = {
+    "megatrain": {},  # TrainSpec's own defaults: pretraining's (cosine to 0.1, decay 0.1, betas 0.9/0.95)
+    "hf-trainer": {"lr": 5e-5, "schedule": "linear", "min_lr_ratio": 0.0, "warmup_steps": 0, "weight_decay": 0.0,
+                   "betas": (0.9, 0.999), "eps": 1e-8, "clip_norm": 1.0, "warmup_style": "hf"},
+}
+
+
 class TrainSpec(IRModel):
     """Micro-batching, precision and the AdamW step (with an optional global-norm clip)."""
 
@@ -37,8 +47,11 @@ class TrainSpec(IRModel):
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
     weight_decay: float = Field(0.1, ge=0, description="decoupled weight decay, on weight matrices only: not on "
                                 "norms, biases or depth-mixing coefficients (models.decays)")
-    clip_norm: float | None = Field(None, description="global gradient-norm clip; None turns clipping off")
+    clip_norm: float | None = Field(None, gt=0, description="global gradient-norm clip; None turns clipping off")
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="linear warmup steps of the LR schedule")
+    warmup_style: Literal["megatrain", "hf"] = Field(
+        "megatrain", description="the warmup's ramp: megatrain lr*(s+1)/W (step s, 0-based: the first step already "
+        "moves the weights), or hf lr*s/W as transformers' schedulers (the first step at lr 0)")
     total_steps: int = Field(1000, gt=0, le=MAX_STEPS, description="steps of the LR schedule (the run's length)")
     schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine", description="after warmup: cosine or linear decay to min_lr_ratio x lr at total_steps, constant, "
@@ -63,17 +76,12 @@ class TrainSpec(IRModel):
             raise ValueError(f"betas must lie in [0, 1), got {v}")
         return v
 
-    @field_validator("clip_norm")
-    @classmethod
-    def _clip(cls, v: float | None) -> float | None:
-        if v is not None and not v > 0:
-            raise ValueError(f"clip_norm must be > 0 (or None to turn clipping off), got {v}")
-        return v
-
     @model_validator(mode="after")
     def _warmup(self) -> TrainSpec:
         if self.warmup_steps > self.total_steps:
-            raise ValueError(f"warmup_steps ({self.warmup_steps}) exceeds total_steps ({self.total_steps})")
+            raise ValueError(f"warmup_steps {self.warmup_steps} is longer than the run (total_steps "
+                             f"{self.total_steps}): the learning rate would never reach its peak; lower warmup_steps "
+                             "or raise total_steps")
         return self
 
     @property

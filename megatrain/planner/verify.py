@@ -17,6 +17,8 @@ step boundary are checked too. What it checks:
   that buffer (this step or the next) waits until every reader of u's gradient is done (its step, its tied
   owner's step, clip_grads); each unit's last micro-batch's backward, and only it, writes the norms (`norm`);
 - layer-major order and at most one load per unit per pass; the peak against the budget;
+- each backward's `source` is its forward's `mode` (SOURCE_OF), and the buffer that mode keeps (saved graph,
+  rebuild record, attention record) is written by the forward and read by the backward;
 - the compute-dtype cast (cast.py `check`): a place the compute dtype has, and the `cast` staging buffer
   exactly where the place is "gpu";
 - a world program's collectives (collectives.py `check_collectives`): every read of a sharded unit's slot
@@ -29,7 +31,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from megatrain.ir.model_ir import ModelIR
-from megatrain.ir.program import Instr, Program
+from megatrain.ir.program import SOURCE_OF, Instr, Program
 
 from .cast import check as check_cast
 from .collectives import check_collectives
@@ -103,6 +105,7 @@ def check(program: Program, *, ir: ModelIR | None = None, budget_bytes: int | No
     problems += _check_host_grads(instrs, hb, ir, program.world_size)
     problems += check_collectives(program, hb, _at)
     problems += _check_order(instrs, program.n_micro_batches, ir)
+    problems += _check_modes(instrs)
     if ir is not None:
         problems += check_cast(program, ir)
     if budget_bytes is not None:
@@ -345,6 +348,31 @@ def _check_host_grads(instrs: tuple[Instr, ...], hb: HappensBefore, ir: ModelIR 
         if ins.op == "backward" and world_size == 1 and ins.norm != (last[ins.unit] == i):
             want = "norm=True (its gradients are final here)" if ins.norm is False else "no norm (later micro-batches add to its gradients)"
             problems.append(f"{_at(i, ins)} should have {want}")
+    return problems
+
+
+# The buffer each forward mode keeps for its backward, which that backward's source reads.
+_KEPT = {"keep": "saved", "rebuild": "side", "replay": "attn"}
+
+
+def _check_modes(instrs: tuple[Instr, ...]) -> list[str]:
+    """Each backward takes its graph from what its forward kept: its source is the forward mode's (SOURCE_OF), and
+    the buffer that mode keeps is written by the forward and read by the backward."""
+    problems = []
+    forward = {(ins.unit, ins.mb): (i, ins) for i, ins in enumerate(instrs) if ins.op == "forward"}
+    for i, ins in enumerate(instrs):
+        if ins.op == "forward" and ins.mode == "eval":
+            problems.append(f"{_at(i, ins)}: a step's forward is followed by a backward; eval is an evaluation's mode")
+        if ins.op != "backward" or (ins.unit, ins.mb) not in forward:
+            continue
+        j, fwd = forward[(ins.unit, ins.mb)]
+        if SOURCE_OF.get(fwd.mode) != ins.source:
+            problems.append(f"{_at(i, ins)} takes its graph from {ins.source}, but {_at(j, fwd)} keeps what "
+                            f"source={SOURCE_OF.get(fwd.mode)} needs")
+        kept = _KEPT.get(fwd.mode)
+        name = f"{kept}.{ins.unit}.{ins.mb}"
+        if kept is not None and (name not in fwd.writes or name not in ins.reads):
+            problems.append(f"{_at(j, fwd)} and {_at(i, ins)} must write and read {name}")
     return problems
 
 

@@ -34,7 +34,7 @@ from pydantic import Field, model_validator
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR, ParamSlice, UnitIR
 
-SHARD_ALIGN = 32  # elements: each shard starts 64-byte aligned in bf16 (models/binding.py ALIGN)
+SHARD_ALIGN = 32  # elements: each shard starts 64-byte aligned in bf16 (ir/layout.py ALIGN)
 MAX_NPROC = 65536
 
 

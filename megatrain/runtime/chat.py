@@ -36,8 +36,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from megatrain.files import json_lines
-
+from .chat_limits import MAX_RENDER_CHARS, RenderLimit, bounded_json_lines, render_limits
 from .data import DataError
 
 if TYPE_CHECKING:
@@ -68,7 +67,8 @@ def compile_template(template: str):
     import jinja2
     import jinja2.ext
     import jinja2.nodes
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from .chat_limits import BoundedEnvironment, bounded_filter, check_size
 
     if tuple(int(x) for x in re.findall(r"\d+", jinja2.__version__)[:3]) < (3, 1, 6):
         raise DataError(f"chat templates need jinja2>=3.1.6 (older versions have sandbox escapes), found "
@@ -132,7 +132,7 @@ def compile_template(template: str):
 
         def __setitem__(self, name, value):
             TemplateNamespace._check_name(name)
-            jinja2.utils.Namespace.__setitem__(self, name, value)
+            jinja2.utils.Namespace.__setitem__(self, name, check_size(value, f"namespace attribute {name!r}"))
 
         @staticmethod
         def _check_name(name):
@@ -140,9 +140,10 @@ def compile_template(template: str):
                 raise jinja2.exceptions.SecurityError(
                     f"chat templates cannot store underscore-prefixed attributes on a namespace, got {name!r}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[AssistantTracker, jinja2.ext.loopcontrols])
+    env = BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                             extensions=[AssistantTracker, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
+    env.filters.update({name: bounded_filter(name, f) for name, f in env.filters.items()})
     env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now, dict=TemplateDict(),
                        namespace=TemplateNamespace)
     return env.from_string(template)
@@ -198,10 +199,20 @@ def render_spans(template: str, messages: list[dict], special_tokens: dict, add_
     spans: list[tuple[int, int]] = []
     variables = {**_plain(dict(special_tokens)), "messages": _normalize(messages, source), "tools": None,
                  "documents": None, "add_generation_prompt": bool(add_generation_prompt)}
+    size = 0
     try:
-        with compiled.environment.activate_tracker(blocks, spans):
+        with render_limits(), compiled.environment.activate_tracker(blocks, spans):
             for block in compiled.generate(**variables):
                 blocks.append(block)
+                size += len(block)
+                if size > MAX_RENDER_CHARS:
+                    raise RenderLimit(f"the rendered conversation passed {MAX_RENDER_CHARS:,} characters, the most "
+                                      "a chat template may produce")
+    except RenderLimit as e:
+        raise DataError(f"{source}: rendering stopped: {e}; fix the chat template, or shorten the conversation"
+                        ) from None
+    except MemoryError:
+        raise DataError(f"{source}: rendering stopped: it ran out of memory; fix the chat template") from None
     except jinja2.TemplateError as e:
         raise DataError(f"{source}: rendering failed: {_one_line(e)}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
@@ -359,7 +370,7 @@ def read_examples(path: str | Path) -> Iterator[tuple[str, dict, int]]:
     if not path.is_file():
         raise DataError(f"{path}: instruction file not found; pass a JSONL file of chat or Alpaca records")
     first: tuple[str, int] | None = None
-    for n, record in json_lines(path, "an instruction JSONL file", DataError):
+    for n, record in bounded_json_lines(path, DataError):
         where = f"{path}:{n}"
         if not isinstance(record, dict) or not ("messages" in record or "instruction" in record
                                                 or "output" in record):

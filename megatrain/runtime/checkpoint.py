@@ -33,15 +33,14 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, StringConstraints, ValidationError
+from pydantic import ValidationError
 from pydantic_core import to_jsonable_python
 
-from megatrain.files import pid_alive, read_json, remove_tree
+from megatrain.files import fsync_dir, pid_alive, read_json, remove_tree
 
-from .corpus import fsync_dir
+from .manifest_model import MAX_STEP, Manifest  # noqa: F401  (part of this module's API)
 from .tensorfiles import (  # noqa: F401  (CheckpointError and the readers are part of this module's API)
     CheckpointError,
     SafetensorsFile,
@@ -73,42 +72,6 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 _NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"  # a file of the checkpoint itself: no folder, no "..", nothing hidden
-MAX_STEP = 10**12
-
-
-class _Tensor(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: StrictStr
-    shape: list[Annotated[StrictInt, Field(ge=0)]]
-
-
-class _Unit(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: StrictStr
-    file: Annotated[StrictStr, StringConstraints(pattern=rf"^{_NAME}\.safetensors$")]
-    params: list[_Tensor]
-    buffers: list[_Tensor] = []
-
-
-class _File(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    bytes: StrictInt = Field(ge=0)
-    sha256: Annotated[StrictStr, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-
-
-class Manifest(BaseModel):
-    """What a checkpoint manifest must hold, typed (strict: a string is not a number); the rest of its keys
-    (data, run, settings, source, plan_sha256, created, ...) are kept as they are."""
-
-    model_config = ConfigDict(extra="allow")
-    format: Literal["megatrain-checkpoint"]
-    version: Literal[1]
-    step: StrictInt = Field(ge=0, le=MAX_STEP)
-    model: dict
-    train: dict
-    units: list[_Unit]
-    files: dict[Annotated[StrictStr, StringConstraints(pattern=rf"^(hf/)?{_NAME}$")], _File]
-    manifest_sha256: StrictStr
 
 
 def read_manifest(ckpt: Path) -> dict:
@@ -137,7 +100,9 @@ def read_manifest(ckpt: Path) -> dict:
     except ValidationError as e:
         err = e.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "manifest"
-        raise CheckpointError(f"{path}: {where}: {err['msg']}; the manifest is not one megatrain wrote; "
+        msg = (f"expected an object, got {json.dumps(err.get('input'))[:40]}" if err["type"] == "model_type"
+               else err["msg"])
+        raise CheckpointError(f"{path}: {where}: {msg}; the manifest is not one megatrain wrote; "
                               f"{_earlier(Path(ckpt))}") from None
     m = _STEP_DIR.fullmatch(Path(ckpt).name)
     if m and int(m.group(1)) != manifest["step"]:
@@ -460,15 +425,9 @@ def _read_state(ckpt: Path, files: dict, fix: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_masters(ckpt: Path, manifest: dict, unit: dict, buffers: bool = False) -> dict[str, torch.Tensor]:
-    """One unit's fp32 master weights by parameter name, then (with `buffers`) its buffers by name, verified
-    (export reads them unit by unit); a sharded unit's are gathered from its shards (sharded_checkpoint.py)."""
-    if manifest.get("world"):
-        from .sharded_checkpoint import read_masters as read_sharded
-
-        found = read_sharded(ckpt, manifest, unit, buffers)
-        if found is not None:
-            return found
+def read_unit_file(ckpt: Path, manifest: dict, unit: dict, buffers: bool = False) -> dict[str, torch.Tensor]:
+    """One unit's fp32 master weights by parameter name, then (with `buffers`) its buffers by name, verified,
+    from the unit's whole file (sharded_checkpoint.read_masters reads any checkpoint's, shards included)."""
     entries = [("master", p) for p in unit["params"]] + [("buffer", b) for b in unit.get("buffers", ()) if buffers]
     targets = {f"{kind}/{e['name']}": torch.empty(e["shape"], dtype=torch.float32) for kind, e in entries}
     _read_checked(ckpt, unit["file"], manifest["files"], targets, _earlier(ckpt), exact=False)

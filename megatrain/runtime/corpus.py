@@ -9,7 +9,11 @@ Run its tests: `.venv/bin/pytest tests/runtime/test_data.py`.
   is by document, from a stable hash (sha256) of the document's path relative to the inputs' common folder and
   the seed, not on Python's hash(); documents are written in sorted order of that path, so the output
   depends on the set of inputs, not their order. With a single document
-  the validation split is instead its last `val_fraction` of bytes, cut at a line boundary.
+  the validation split is instead its last `val_fraction` of bytes, cut at a line start (else a word, else
+  a character: never inside a UTF-8 character).
+- Instruction JSONL: every record is checked before any is tokenized; an empty file is refused; with
+  `seq_len`, examples longer than it are counted and those whose answer lies wholly past it dropped, named
+  by file and line (the sidecar's `cut`); the sidecar records the chat template's hash beside the tokenizer's.
 - Writes are atomic: each file is written under a temporary name, fsynced and renamed, and the old sidecar
   is removed first, so an interrupted prepare leaves the previous files, or a .bin without a sidecar (which
   `TokenFile.open` rejects), never a half-written file under the final name.
@@ -33,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain.files import cache_error, cache_root, pid_alive, remove_tree
+from megatrain.files import cache_error, cache_root, fsync_dir, pid_alive, remove_tree
 
 from .data import DOC_END, DataError, TokenFile, sidecar_path
 from .tokenizer import Tokenizer
@@ -113,18 +117,6 @@ def split_documents(names: list[str], val_fraction: float, seed: int) -> list[bo
 
 
 # -- writing ------------------------------------------------------------------------------------------------
-def fsync_dir(folder: Path) -> None:
-    """fsync a folder so a rename inside it is durable."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return  # NOTE: not every platform can open a folder; the renames are still atomic
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_token_file(path: str | Path, documents: Iterable[bytes | np.ndarray], source: str,
                      tokenizer: Tokenizer | None = None, **extra) -> Path:
     """Atomically write the tokens of `documents` and the sidecar. With the byte tokenizer (the default) a
@@ -180,8 +172,9 @@ def _encoded(docs: Iterable[bytes], tok: Tokenizer, bar=None) -> Iterable[bytes 
     batch: list[bytes] = []
 
     def flush():
-        for ids in tok.encode_batch([d.decode("utf-8", errors="replace") for d in batch]):
-            yield np.asarray([*ids, tok.eos_id], dtype=np.int64)
+        # as `tokenizer(text)` encodes a document: its post-processor's bos (and eos) where it adds them
+        for ids in tok.encode_documents([d.decode("utf-8", errors="replace") for d in batch]):
+            yield np.asarray([*ids, tok.eos_id] if not ids or ids[-1] != tok.eos_id else ids, dtype=np.int64)
         bar and bar(sum(len(d) for d in batch))
         batch.clear()
 
@@ -193,18 +186,28 @@ def _encoded(docs: Iterable[bytes], tok: Tokenizer, bar=None) -> Iterable[bytes 
 
 
 def _tail_split(data: bytes, val_fraction: float) -> tuple[bytes, bytes]:
-    """Split one document: its last val_fraction of bytes (from the next line start) go to validation."""
+    """Split one document: its last val_fraction of bytes go to validation, from the next line start (else
+    the next word, else the next character: never inside a UTF-8 character, so neither side holds U+FFFD)."""
     cut = int(len(data) * (1 - val_fraction))
-    newline = data.find(b"\n", cut)
-    cut = newline + 1 if newline != -1 and newline + 1 < len(data) else cut
+    for sep in (b"\n", b" ", b"\t"):
+        at = data.find(sep, cut)
+        if at != -1 and at + 1 < len(data):
+            return data[:at + 1], data[at + 1:]
+    while cut < len(data) and data[cut] & 0xC0 == 0x80:  # a continuation byte: the character began earlier
+        cut += 1
     return data[:cut], data[cut:]
 
 
 def prepare(inputs: list[str | Path] | None, out_dir: str | Path, val_fraction: float = 0.05, seed: int = 0,
-            tokenizer: str | Path | Tokenizer | None = None, progress: bool = False) -> tuple[Path, Path]:
+            tokenizer: str | Path | Tokenizer | None = None, progress: bool = False,
+            seq_len: int | None = None) -> tuple[Path, Path]:
     """Tokenize text files (None: the default corpus) into out_dir/train.bin and out_dir/val.bin, with the
     byte tokenizer or a Hugging Face model folder's (`tokenizer`). JSONL inputs are instruction data (chat or
-    Alpaca records, runtime/chat.py): each record is one example with its loss mask (runtime/examples.py)."""
+    Alpaca records, runtime/chat.py): each record is one example with its loss mask (runtime/examples.py).
+    With `seq_len`, examples longer than it are counted, and those whose answer lies wholly past it dropped
+    (the sidecar's `cut` records both)."""
+    if seq_len is not None and (not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2):
+        raise DataError(f"--seq-len must be an integer >= 2, got {seq_len!r}")
     if not 0 <= val_fraction < 1:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if seed < 0:
@@ -242,7 +245,7 @@ def prepare(inputs: list[str | Path] | None, out_dir: str | Path, val_fraction: 
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        _prepare_into(tmp, files, names, jsonl, tok, val_fraction, seed, source, progress)
+        _prepare_into(tmp, files, names, jsonl, tok, val_fraction, seed, source, progress, seq_len)
         _publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -269,11 +272,11 @@ def _publish(tmp: Path, out: Path) -> None:
     fsync_dir(out)
 
 
-def _prepare_into(out: Path, files, names, jsonl, tok, val_fraction, seed, source, progress) -> None:
+def _prepare_into(out: Path, files, names, jsonl, tok, val_fraction, seed, source, progress, seq_len) -> None:
     split = {"seed": seed, "val_fraction": val_fraction}
     with _progress(progress, sum(p.stat().st_size for p in files), "tokenize") as bar:
         if all(jsonl):
-            _prepare_examples(files, names, out, tok, val_fraction, seed, source, bar)
+            _prepare_examples(files, names, out, tok, val_fraction, seed, source, bar, seq_len)
             return
         if len(files) == 1 and val_fraction > 0:
             train_text, val_text = _tail_split(files[0].read_bytes(), val_fraction)
@@ -303,25 +306,47 @@ def _check_text(files: list[Path]) -> None:
 
 
 def _prepare_examples(files: list[Path], names: list[str], out: Path, tok: Tokenizer, val_fraction: float,
-                      seed: int, source: str, bar) -> tuple[Path, Path]:
-    """Instruction JSONL to example token files; the split is by example, from a hash of (file, line)."""
+                      seed: int, source: str, bar, seq_len: int | None) -> tuple[Path, Path]:
+    """Instruction JSONL to example token files; the split is by example, from a hash of (file, line). Every
+    record is checked before one is tokenized; then the files are read again, an example at a time."""
     from .chat import example, read_examples
     from .examples import write_example_file
 
+    lines, kinds = [], set()
+    for path in files:
+        lines.append([])
+        for kind, _, n in read_examples(path):
+            kinds.add(kind)
+            lines[-1].append(n)
+    if not any(lines):
+        raise DataError(f"{files[0] if len(files) == 1 else f'the {len(files)} input files'}: no records (empty "
+                        "or blank lines only); write one chat or Alpaca record per line")
     parts: dict[bool, list] = {False: [], True: []}
-    kinds = set()
-    for path, name in zip(files, names):
-        records = list(read_examples(path))
-        kinds |= {kind for kind, _, _ in records}
-        for (kind, record, line), is_val in zip(records, split_documents([f"{name}:{n}" for _, _, n in records],
-                                                                         val_fraction, seed)):
+    cut = {"longest": 0, "truncated": 0, "dropped": 0, "dropped_lines": []}
+    for path, name, numbers in zip(files, names, lines):
+        flags = split_documents([f"{name}:{n}" for n in numbers], val_fraction, seed)
+        for (kind, record, line), is_val in zip(read_examples(path), flags):
             try:
-                parts[is_val].append(example(tok, kind, record))
+                ids, mask = example(tok, kind, record)
             except DataError as e:
                 raise DataError(f"{path}:{line}: {e}") from None
+            cut["longest"] = max(cut["longest"], len(ids))
+            if seq_len is not None and len(ids) > seq_len:
+                cut["truncated"] += 1
+                if not any(mask[1:seq_len]):  # no target left among the first seq_len tokens
+                    cut["dropped"] += 1
+                    cut["dropped_lines"] += [f"{path.name}:{line}"] if len(cut["dropped_lines"]) < 10 else []
+                    continue
+            parts[is_val].append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)))
         bar and bar(path.stat().st_size)
+    if not parts[False] and not parts[True]:
+        raise DataError(f"every example's answer lies past --seq-len {seq_len} (e.g. {cut['dropped_lines'][0]}); "
+                        "raise --seq-len")
     meta = {"tokenizer": tok.name, "tokenizer_sha256": tok.sha256, "source": source, "format": "+".join(sorted(kinds)),
-            "seed": seed, "val_fraction": val_fraction}
+            "seed": seed, "val_fraction": val_fraction,
+            "cut": {**cut, **({"seq_len": seq_len} if seq_len is not None else {})}}
+    if tok.chat_template is not None:  # training refuses the data under another template (tokenizer.py)
+        meta["chat_template_sha256"] = tok.chat_template_sha256
     return tuple(write_example_file(out / f"{part}.bin", parts[part == "val"], tok.vocab_size,
                                     split=f"{part} (by example)", **meta) for part in ("train", "val"))
 

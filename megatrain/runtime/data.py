@@ -73,6 +73,7 @@ class TokenFile:
         self.examples = examples  # (offsets, loss mask) of an instruction-data file (runtime/examples.py)
         self._max: int | None = None
         self._fingerprint: dict | None = None
+        self.cache: dict = {}  # what readers derive from the file once (runtime/examples.py's answer counts)
 
     @property
     def n_tokens(self) -> int:
@@ -326,20 +327,7 @@ def eval_batches(token_file: TokenFile, micro_batch: int, seq_len: int, n_batche
     return [_windows(token_file, row, seq_len) for row in starts.reshape(n_batches, micro_batch)]
 
 
-# `megatrain prepare` and the default corpus live in corpus.py (which imports this module); they are part of
-# the data API, resolved on first use so that either module can be imported first.
-_CORPUS_API = ("add_prepare_parser", "cached_default_corpus", "default_corpus_files", "prepare")
-
-
-def __getattr__(name: str):
-    if name in _CORPUS_API:
-        from . import corpus
-
-        return getattr(corpus, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 __all__ = [
     "DOC_END", "VOCAB_SIZE", "Batcher", "DataError", "TokenFile", "decode", "encode", "eval_batches",
-    "sidecar_path", *_CORPUS_API,
+    "sidecar_path",
 ]

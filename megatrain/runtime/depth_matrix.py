@@ -38,7 +38,8 @@ def _mix_names(config: ModelConfig) -> list[str]:
 
 def matrix_from_checkpoint(path: str | Path) -> tuple[ModelConfig, torch.Tensor, int]:
     """(config, M, step) from a checkpoint folder (or the latest one under a --checkpoint-dir)."""
-    from .checkpoint import find_checkpoint, read_manifest, read_masters
+    from .checkpoint import find_checkpoint, read_manifest
+    from .sharded_checkpoint import read_masters
 
     ckpt = find_checkpoint(path)
     manifest = read_manifest(ckpt)

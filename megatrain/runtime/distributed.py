@@ -20,7 +20,8 @@ Failures (ranks must never hang on a dead peer):
 - every collective has a timeout (`timeout_s`, init_process_group's), and its error is re-raised as
   CollectiveError naming the collective;
 - a watchdog thread per rank beats a heartbeat into the rendezvous store (torchrun's agent store, or rank 0's)
-  every `beat_s`; a peer whose beat stops for `dead_after_s` is dead (SIGKILL, a crash, a lost node);
+  every `beat_s`; a peer whose beat stops for `dead_after_s` is dead (SIGKILL, a crash, a lost node), and one
+  on this node whose process is gone (its pid, recorded in the store, no longer runs) is dead at once;
 - a rank whose run raises publishes one line `rank R failed: ...` under the store's `abort` key (the first
   writer wins: the root cause); a rank that sees a dead peer publishes `rank R stopped ...` there;
 - a rank whose collective failed waits (at most dead_after_s + 2 beats) for that verdict and raises
@@ -28,6 +29,8 @@ Failures (ranks must never hang on a dead peer):
   not in a collective learns it from its watchdog, which prints the line and ends the process (os._exit(2))
   after `grace_s` unless the main thread has reported it by then. A collective that timed out with every peer
   alive names the ranks that had not reached it (their heartbeats carry how many collectives they started).
+- a stop signal (signals.py `stop_vote`: every rank stops after the same step) ends with `exit_stopped`: after
+  the stop checkpoint, no closing barrier, the groups destroyed within DESTROY_S, os._exit with the exit code.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import contextlib
 import datetime
 import math
 import os
+import socket
 import sys
 import threading
 import time
@@ -44,11 +48,14 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatrain.files import pid_alive
+
 DEFAULT_TIMEOUT_S = 600.0
 UNVERIFIED_NCCL = ("data parallelism over NCCL on CUDA has not been run on GPUs by megatrain's tests yet (they run "
                    "gloo on the sim device; tests/runtime/test_distributed.py -m cuda is the GPU check): compare a "
                    "few steps against one GPU before relying on it")
 EXIT_CODE = 2
+DESTROY_S = 5.0  # the longest a rank waits for its process groups to be destroyed before it goes on
 GROUPS = ("comm", "host", "main")
 
 
@@ -110,6 +117,7 @@ class Communicator:
         base = dist.TCPStore(addr, port, size, rank == 0 and not agent_store, timeout=timeout)
         self.store = dist.PrefixStore(self.prefix, base)
         self.store.set(f"hb/{rank}", "0 0 0 0")
+        self.store.set(f"pid/{rank}", f"{socket.gethostname()} {os.getpid()}")  # a peer here can see it die
         kw = {"device_id": torch.device("cuda", self.local_rank)} if device == "cuda" else {}
         dist.init_process_group(self.backend, store=dist.PrefixStore("pg/", self.store), rank=rank,
                                 world_size=size, timeout=timeout, **kw)
@@ -255,6 +263,9 @@ class Communicator:
             msg = store.get("abort").decode(errors="replace")
             if not msg.startswith(f"rank {self.rank} "):
                 return msg
+        gone = self._gone(store, peers)
+        if gone is not None:
+            return store.compare_set("abort", "", gone).decode(errors="replace")
         now = time.monotonic()
         values = store.multi_get([f"hb/{r}" for r in peers])
         for r, raw in zip(peers, values):
@@ -265,6 +276,19 @@ class Communicator:
                 msg = (f"rank {r} stopped: no heartbeat for {self.dead_after_s:g} s (it was killed, crashed, or its "
                        "node is down)")
                 return store.compare_set("abort", "", msg).decode(errors="replace")
+        return None
+
+    def _gone(self, store, peers: list[int]) -> str | None:
+        """A peer on this host whose process has ended (and was reaped: torchrun's agent reaps a worker at once)
+        without saying it was done: named now, not after dead_after_s of silence."""
+        host = socket.gethostname()
+        for r in peers:
+            try:
+                where, pid = store.get(f"pid/{r}").decode().rsplit(" ", 1)
+                if where == host and not pid_alive(int(pid)) and not store.check([f"done/{r}"]):
+                    return f"rank {r} stopped: its process (pid {pid}) is gone (it was killed or crashed)"
+            except (ValueError, RuntimeError, dist.DistStoreError):
+                continue
         return None
 
     def _give_up(self, verdict: str) -> None:
@@ -296,6 +320,9 @@ class Communicator:
                     msg = self.store.get("abort").decode(errors="replace")
                     if not msg.startswith(f"rank {self.rank} "):
                         return msg
+                gone = self._gone(self.store, [r for r in range(self.size) if r != self.rank])
+                if gone is not None:
+                    return self.publish(gone)
             except Exception:
                 return f"the rendezvous store at {self.addr}:{self.port} is unreachable (rank 0 or torchrun stopped)"
             if time.monotonic() >= deadline:
@@ -355,8 +382,27 @@ class Communicator:
         self._stop.set()
         if self._watchdog.is_alive():
             self._watchdog.join(timeout=2 * self.beat_s + 1)
+
+        def destroy():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+        closing = threading.Thread(target=destroy, name="megatrain-destroy-groups", daemon=True)
+        closing.start()
+        closing.join(timeout=DESTROY_S)  # NOTE: a group torn down under a dead peer may block; the exit does not
+
+    def exit_stopped(self, code: int) -> None:
+        """The end of a rank stopped by a signal, after its stop checkpoint (whose save ends with a barrier: it
+        is durable on every rank) or the stop vote: done, the groups destroyed (bounded), output flushed, and
+        the process ended at once with `code`, leaving nothing (a closing collective, a thread, a destructor)
+        to wait on a peer that is exiting too."""
         with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+            self.store.set(f"done/{self.rank}", "1")
+        self.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
     def __repr__(self) -> str:
         return (f"Communicator(rank {self.rank} of {self.size}, {self.nnodes} node(s), {self.backend}, timeout "

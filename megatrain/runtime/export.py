@@ -12,8 +12,14 @@ which the Hugging Face names refuse in one line). Peak memory is one unit's weig
 Run its tests: `.venv/bin/pytest tests/runtime/test_hf.py tests/runtime/test_checkpoint.py -k export`.
 
 Both outputs are written under a temporary name beside the target and renamed into place, so a failure
-leaves the previous export as it was; a folder target is replaced only if it holds nothing but an export's
-files, and never when it lies inside the checkpoint it is made from.
+leaves the previous export as it was. An exported folder carries a marker: its weight files' safetensors
+metadata names megatrain and the folder written (MARKER_KEY), so no file is added beside what transformers
+reads, and a copy elsewhere is not taken for the export. A folder target that exists is replaced only when
+it carries the marker for its own path and holds nothing but an export's files, or is empty. Anything
+else (another model, a copy of one, any non-empty folder) needs `overwrite`, and a Hugging Face cache
+snapshot (a path under `models--*/snapshots/`, or links into the cache's blobs) is refused even then: its
+links would become real files holding the fine-tuned weights, served as the original revision. The folder
+never lies inside the checkpoint it is made from, nor is it the current folder or one above it.
 """
 
 from __future__ import annotations
@@ -26,16 +32,19 @@ from pathlib import Path
 
 import torch
 
+from megatrain.files import fsync_dir
 from megatrain.models import ModelConfig
 from megatrain.models.hf import family_for, hf_config, hf_name
 
-from .checkpoint import find_checkpoint, read_extra, read_manifest, read_masters
-from .corpus import fsync_dir
-from .hf_load import INDEX, SOURCE_FILES
+from .checkpoint import find_checkpoint, read_extra, read_manifest
+from .hf_load import INDEX, NAMED_TEMPLATE, SOURCE_FILES
+from .sharded_checkpoint import read_masters
 from .tensorfiles import CheckpointError, SafetensorsWriter
+from .tokenizer import CHAT_TEMPLATE_DIR
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' "5GB"
+MARKER_KEY = "megatrain_export"  # in the weights' metadata: the one kind of folder an export replaces unasked
 
 
 def export_weights(checkpoint: str | Path, out: str | Path, dtype: str = "fp32", names: str = "hf") -> dict:
@@ -66,18 +75,19 @@ def export_weights(checkpoint: str | Path, out: str | Path, dtype: str = "fp32",
 
 
 def export_model_dir(checkpoint: str | Path, out: str | Path, dtype: str = "fp32",
-                     max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
+                     max_shard_bytes: int = MAX_SHARD_BYTES, overwrite: bool = False) -> dict:
     """Write `checkpoint` as a Hugging Face model folder `out`; returns {checkpoint, step, tensors, params,
-    bytes, shards, architecture, files}."""
+    bytes, shards, architecture, files}. An existing folder that megatrain did not export is replaced only
+    with `overwrite` (see the module docstring)."""
     if max_shard_bytes <= 0:
         raise ValueError(f"--max-shard-size must be positive, got {max_shard_bytes}")
     ckpt, manifest, config = _open(checkpoint, dtype)
     files = manifest["files"] if isinstance(manifest.get("files"), dict) else {}
     base = json.loads(read_extra(ckpt, manifest, "hf/config.json")) if "hf/config.json" in files else None
     cfg = hf_config(config, str(DTYPES[dtype]).removeprefix("torch."), base)
-    out = Path(out)
+    out = _named(Path(out))
     _refuse_inside(out, ckpt, manifest)
-    _check_replaceable(out)
+    _check_replaceable(out, overwrite)
     specs = _specs(manifest, hf_name, DTYPES[dtype], buffers=False)
     shards = _shard(specs, max_shard_bytes)
     n = len(shards)
@@ -87,8 +97,9 @@ def export_model_dir(checkpoint: str | Path, out: str | Path, dtype: str = "fp32
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        mark = {"format": "pt", MARKER_KEY: str(out.resolve())}
         records = _pruned_aware(ckpt, lambda: _write_shards([tmp / s for s in shard_names], shards, specs, manifest,
-                                                            ckpt, hf_name))
+                                                            ckpt, hf_name, metadata=mark))
         written = ["config.json", *shard_names]
         _write_json(tmp / "config.json", cfg)
         if n > 1:
@@ -106,6 +117,14 @@ def export_model_dir(checkpoint: str | Path, out: str | Path, dtype: str = "fp32
             _write_json(tmp / "generation_config.json", {k: cfg.get(k) for k in ("bos_token_id", "eos_token_id",
                                                                                    "pad_token_id") if cfg.get(k) is not None})
         written += copied + (["generation_config.json"] if "generation_config.json" not in copied else [])
+        prefix, suffix = NAMED_TEMPLATE.split("{}")
+        named = sorted(n for n in files if n.startswith(prefix) and n.endswith(suffix))
+        if named:  # the named chat templates, back in their folder beside chat_template.jinja
+            (tmp / CHAT_TEMPLATE_DIR).mkdir()
+            for n in named:
+                name = f"{CHAT_TEMPLATE_DIR}/{n.removeprefix(prefix).removesuffix(suffix)}.jinja"
+                _write_bytes(tmp / name, read_extra(ckpt, manifest, n))
+                written.append(name)
         fsync_dir(tmp)
         if out.exists():
             os.replace(out, old)
@@ -160,7 +179,7 @@ def _shard(specs: list, max_bytes: int) -> list[int]:
 
 
 def _write_shards(paths: list[Path], counts: list[int], specs: list, manifest: dict, ckpt: Path,
-                  rename, buffers: bool = False) -> list[dict]:
+                  rename, buffers: bool = False, metadata: dict | None = None) -> list[dict]:
     """Stream every unit's verified masters (and, with `buffers`, its buffers) into consecutive shards of
     `counts` tensors each, in the order of `specs`; returns each shard's {"bytes", "sha256"}."""
     firsts, k = {}, 0
@@ -176,7 +195,7 @@ def _write_shards(paths: list[Path], counts: list[int], specs: list, manifest: d
                     if writer is not None:
                         records.append(writer.close())
                     shard = firsts[i]
-                    writer = SafetensorsWriter(paths[shard], specs[i:i + counts[shard]], {"format": "pt"})
+                    writer = SafetensorsWriter(paths[shard], specs[i:i + counts[shard]], metadata or {"format": "pt"})
                 writer.write(name if name in kept else rename(name), t.to(specs[i][1]))
                 i += 1
         records.append(writer.close())
@@ -219,18 +238,69 @@ def _refuse_inside(out: Path, ckpt: Path, manifest: dict) -> None:
                              "was trained from; an export there would replace the base model: choose a new folder")
 
 
-def _check_replaceable(out: Path) -> None:
-    """A folder target may be replaced only when it holds nothing but what an export writes."""
+def _named(out: Path) -> Path:
+    """`out` with a name of its own (`.`, `..` and `/` resolved), so its temporary siblings can be named."""
+    return out if out.name not in ("", ".", "..") else out.resolve()
+
+
+def hf_cache_folder(out: Path) -> bool:
+    """Whether `out` is (or lies in) a Hugging Face cache snapshot, or holds links into a cache's blobs."""
+    for path in (out.absolute(), out.resolve()):
+        parts = path.parts
+        if any(a.startswith("models--") and b == "snapshots" for a, b in zip(parts, parts[1:])):
+            return True
+    if out.is_dir():
+        for p in out.iterdir():
+            if p.is_symlink() and "blobs" in Path(os.readlink(p)).parts:
+                return True
+    return False
+
+
+def _check_replaceable(out: Path, overwrite: bool = False) -> None:
+    """A folder target is replaced only when megatrain exported it (its marker, and nothing but an export's
+    files) or it is empty; any other one only with `overwrite`; a Hugging Face cache snapshot never."""
+    if hf_cache_folder(out):
+        raise ValueError(f"--out {out} is a Hugging Face cache snapshot; an export would turn its links into files "
+                         "holding the fine-tuned weights, served as the original model's revision: export to a "
+                         "new folder (even --overwrite does not write there)")
     if not out.exists():
         return
     if not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder for a Hugging Face model (or a .safetensors path)")
-    ours = set(SOURCE_FILES) | {INDEX, "model.safetensors"}
-    foreign = sorted(p.name for p in out.iterdir()
-                     if p.name not in ours and not (p.name.startswith("model-") and p.name.endswith(".safetensors")))
+    here = Path.cwd().resolve()
+    if out.resolve() == here or out.resolve() in here.parents:
+        raise ValueError(f"--out {out} is the current folder ({here}) or one above it, which an export would "
+                         "replace whole; name a new folder, e.g. --out exported-model")
+    entries = sorted(p.name for p in out.iterdir())
+    if not entries or overwrite:
+        return
+    ours = set(SOURCE_FILES) | {INDEX, "model.safetensors", CHAT_TEMPLATE_DIR}
+    foreign = [n for n in entries if n not in ours and not (n.startswith("model-") and n.endswith(".safetensors"))]
+    if not foreign and not _exported_here(out):
+        raise ValueError(f"--out {out} holds a model that megatrain did not export there (a download, or a copy): "
+                         "an export replaces the folder whole; choose a new folder, or pass --overwrite to replace it")
     if foreign:
         raise ValueError(f"--out {out} holds {foreign[0]}, which an export does not write; choose an empty or new "
-                         "folder (an earlier export there is replaced whole)")
+                         "folder, or pass --overwrite (an earlier export there is replaced whole)")
+
+
+def _exported_here(out: Path) -> bool:
+    """Whether the weights in `out` carry the marker of an export to this very folder."""
+    weights = out / "model.safetensors"
+    if not weights.is_file() and (out / INDEX).is_file():
+        try:
+            shards = sorted(set(json.loads((out / INDEX).read_bytes()[:1 << 26])["weight_map"].values()))
+            weights = out / shards[0]
+        except (ValueError, KeyError, TypeError, IndexError, OSError):
+            return False
+    try:
+        with open(weights, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n)) if n <= 1 << 26 else {}
+    except (ValueError, OSError):
+        return False
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(meta, dict) and meta.get(MARKER_KEY) == str(out.resolve())
 
 
 def _write_json(path: Path, data: dict) -> None:

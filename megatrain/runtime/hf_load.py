@@ -14,19 +14,36 @@ names each tensor's file). `pytorch_model.bin` is never loaded: it is a pickle.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.models.eager import param_shapes
 from megatrain.models.hf import IGNORED, HFConfigError, our_name, read_json
-from megatrain.models.transformer import param_shapes
 
 from .tensorfiles import SafetensorsFile
-from .tokenizer import TOKENIZER_FILES
+from .tokenizer import CHAT_TEMPLATE_DIR, TOKENIZER_FILES
 
 INDEX = "model.safetensors.index.json"
 # What a model folder holds besides its weights: carried in every checkpoint (hf/...) and written by export.
 SOURCE_FILES = ("config.json", "generation_config.json", *TOKENIZER_FILES)
 SINGLE = "model.safetensors"
+NAMED_TEMPLATE = "hf/" + CHAT_TEMPLATE_DIR + "--{}.jinja"  # a named chat template as a checkpoint's flat file name
+_FLAT_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def source_files(model_dir: Path | None) -> dict[str, Path]:
+    """What a checkpoint carries of the folder a run started from, by the name it has there: SOURCE_FILES
+    under hf/, and each named chat template (additional_chat_templates/NAME.jinja) as one flat file, since a
+    checkpoint holds no subfolders. Export writes them back where they came from."""
+    if model_dir is None:
+        return {}
+    out = {f"hf/{name}": model_dir / name for name in SOURCE_FILES if (model_dir / name).is_file()}
+    folder = model_dir / CHAT_TEMPLATE_DIR
+    if folder.is_dir():
+        out.update({NAMED_TEMPLATE.format(p.stem): p for p in sorted(folder.glob("*.jinja"))
+                    if p.is_file() and _FLAT_NAME.fullmatch(p.stem)})
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,20 @@
 """The host optimizer in one pass: host_kernel.c, compiled on first use and loaded with ctypes.
 
-Where it sits: host_state.adamw_step calls `step` for each parameter when `available()`; otherwise it runs the
-same update as a sequence of torch ops (its `_exact` / `_compressed`). Both give the same bits: the C loop
-performs torch's fused CPU AdamW's fp32 operations in torch's order (host_kernel.c says how), and `available`
-checks that on this machine, against the torch path, for every policy, with and without a clip factor, before
-the first step uses it. A machine where any bit differs, with no C compiler, or whose torch is not vectorised
-for AVX2 / AVX-512 (the only lane widths whose scalar tail host_kernel.c reproduces) runs the torch path and
-says why once (`why_not`).
+Where it sits: host_state.adamw_step runs `adamw` (`step` for each parameter) when `available()`; otherwise it runs
+the same update as a sequence of torch ops (host_adamw.adamw). Both give the same bits: the C loop performs torch's
+fused CPU AdamW's fp32 operations in torch's order (host_kernel.c says how), and `available` checks that on this
+machine, against the torch path, for every policy, with and without a clip factor, before the first step uses it
+(`self_check`). A machine where any bit differs, with no C compiler, or whose torch is not vectorised for AVX2 /
+AVX-512 (the only lane widths whose scalar tail host_kernel.c reproduces) runs the torch path and says why once
+(`why_not`).
 
 Why: each policy's step is then one read and one write of each byte it holds (HostPolicy.traffic), where the
 torch path needs a pass per dtype expansion and rounding, clip multiply and fused kernel over each
 cache-sized chunk (docs/RESULTS.md "Host optimizer throughput").
 
-The same library holds the compute-dtype cast (cast_kernel.c, loaded and checked by cast_kernel.py) and the
-step that also writes a bf16 copy of the weights (`step(..., copy=)`, the `copy` place of planner/cast.py).
+The same library holds the compute-dtype cast (cast_kernel.c: declared and checked against torch's
+.to(torch.bfloat16) here, `_check_cast`; run by cast_kernel.py) and the step that also writes a bf16 copy of the
+weights (`step(..., copy=)`, the `copy` place of planner/cast.py).
 
 The library is built with the system C compiler (`$CC`, else cc, gcc or clang) at -O3 -march=native
 -ffp-contract=off into $MEGATRAIN_CACHE/kernels (default ~/.cache/megatrain), keyed by the source, the flags,
@@ -38,15 +39,17 @@ from pathlib import Path
 import torch
 
 from megatrain.files import cache_root, write_atomic
+from megatrain.planner.host_policy import FP8_BLOCK, POLICIES
+from megatrain.planner.train import TrainSpec
 
-from . import cast_kernel
+from . import host_adamw
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("host_kernel.c")
 CAST_SOURCE = Path(__file__).with_name("cast_kernel.c")  # the compute-dtype cast (planner/cast.py), same library
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared"]
-GCC_FLAGS = ["--param", "vect-epilogues-nomask=0"]  # no vectorised epilogues: 1.4 s to build instead of 2.5
+GCC_FLAGS = ["--param", "vect-epilogues-nomask=0"]  # no vectorised epilogues: the loops handle their own tails, and the build is faster
 BLOCK = 256  # host_kernel.c BLOCK: pieces split between threads start at multiples of it
 BUILD_TIMEOUT_S = 300  # a compiler that hangs costs the run this much, then the torch path
 MIN_PIECE = 1 << 18  # elements: smaller tensors are not split between threads
@@ -67,7 +70,7 @@ class Hyper(ctypes.Structure):
                 ("moments", ctypes.c_int32)]
 
 
-_state: dict = {}  # "lib", "lanes", "why_not", "pool", "pool_size"
+_state: dict = {}  # "lib", "lanes", "why_not", "pool", "pool_size"; the checked cast: "cast_lib", "cast_why_not"
 _lock = threading.Lock()
 
 
@@ -144,19 +147,11 @@ def _load() -> None:
         return
     try:
         lib = ctypes.CDLL(str(_build()))
-        lib.mt_adamw.restype = None
-        lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
-        lib.mt_fp8_check.restype = ctypes.c_int64
-        lib.mt_fp8_check.argtypes = [ctypes.c_uint32] * 3
-        lib.mt_bf16_check.restype = ctypes.c_int64
-        lib.mt_bf16_check.argtypes = [ctypes.c_uint32] * 3
-        cast_kernel.declare(lib)
+        _declare(lib)
     except (OSError, ValueError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
         _state["why_not"] = f"could not build or load {SOURCE.name}: {e}"
         return
-    cast_kernel.check(lib)  # NOTE: the cast is checked on its own: it does not depend on torch's AdamW tails
-    from .host_state import self_check  # NOTE: host_state imports this module; the check needs both paths
-
+    _check_cast(lib)  # NOTE: the cast is checked on its own: it does not depend on torch's AdamW tails
     first = None  # what the first guess got wrong: the likeliest tail, so the likeliest fault to name
     for guess in dict.fromkeys((lanes, *OTHER_LANES)):
         _state.update(lib=lib, lanes=guess)
@@ -167,6 +162,52 @@ def _load() -> None:
     _state.pop("lib")
     _state["why_not"] = f"its bits differ from torch's on this machine ({first}; and with the scalar tail at any " \
         f"of {', '.join(str(n) for n in dict.fromkeys((lanes, *OTHER_LANES)))} lanes)"
+
+
+def _declare(lib) -> None:
+    """ctypes signatures of the library's entry points: host_kernel.c's and cast_kernel.c's."""
+    lib.mt_adamw.restype = None
+    lib.mt_adamw.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.POINTER(Hyper)]
+    lib.mt_fp8_check.restype = ctypes.c_int64
+    lib.mt_fp8_check.argtypes = [ctypes.c_uint32] * 3
+    lib.mt_bf16_check.restype = ctypes.c_int64
+    lib.mt_bf16_check.argtypes = [ctypes.c_uint32] * 3
+    lib.mt_cast_bf16.restype = None
+    lib.mt_cast_bf16.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    lib.mt_cast_check.restype = ctypes.c_int64
+    lib.mt_cast_check.argtypes = [ctypes.c_uint32] * 3
+    lib.mt_adamw_copy.restype = None
+    lib.mt_adamw_copy.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2
+
+
+def special_values() -> torch.Tensor:
+    """fp32 values where a bf16 rounding can go wrong: zeros, infinities, NaNs of both signs with several
+    payloads, the subnormals' ends, the largest finite (rounds to inf), and halfway cases with an even and an
+    odd last kept bit, each of both signs."""
+    pos = [0x00000000, 0x7F800000, 0x7FC00000, 0x7F800001, 0x7FFFFFFF, 0x7FA00000, 0x00000001, 0x00007FFF,
+           0x00008000, 0x00018000, 0x007FFFFF, 0x00800000, 0x3F808000, 0x3F818000, 0x3F807FFF, 0x3F808001,
+           0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x3F800000, 0x4B3F8000]
+    bits = pos + [u | 0x80000000 for u in pos]
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _check_cast(lib) -> None:
+    """Use `lib`'s cast (cast_kernel.py) only if it gives torch's bits: special values at every offset of a
+    vector and its tail, and 2^20 random bit patterns (NaNs and subnormals among them)."""
+    gen = torch.Generator().manual_seed(0)
+    cases = [special_values()]
+    cases += [torch.cat([torch.randn(k, generator=gen), special_values()]) for k in range(0, 33)]
+    cases.append(torch.randint(-2**31, 2**31, (1 << 20,), dtype=torch.int64, generator=gen).to(torch.int32)
+                 .view(torch.float32))
+    for x in cases:
+        want, got = x.to(torch.bfloat16), torch.empty(x.numel(), dtype=torch.bfloat16)
+        lib.mt_cast_bf16(x.data_ptr(), got.data_ptr(), x.numel())
+        if not torch.equal(want.view(torch.int16), got.view(torch.int16)):
+            bad = (want.view(torch.int16) != got.view(torch.int16)).nonzero()[0].item()
+            _state["cast_why_not"] = (f"its bits differ from torch's .to(bfloat16) on this machine (fp32 "
+                                      f"bits {x.view(torch.int32)[bad].item() & 0xFFFFFFFF:#010x})")
+            return
+    _state["cast_lib"] = lib
 
 
 def available() -> bool:
@@ -189,25 +230,7 @@ def why_not() -> str | None:
     return _state.get("why_not")
 
 
-def _check_on_every_core(check, stride: int) -> int:
-    """An exhaustive check of host_kernel.c split between this process's cores (ctypes lets go of the GIL)."""
-    parts = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with ThreadPoolExecutor(parts, thread_name_prefix="host-kernel-check") as pool:
-        counts = list(pool.map(lambda part: check(stride, part, parts), range(parts)))
-    return -1 if min(counts) < 0 else sum(counts)
 
-
-def fp8_check(stride: int = 1) -> int:
-    """How many inputs the AVX-512 fp8 conversions of host_kernel.c get wrong against its element functions
-    (every code; every `stride`-th fp32 of [-448, 448] and a little past); -1 where that code is not built
-    (no AVX-512)."""
-    return _check_on_every_core(_state["lib"].mt_fp8_check, stride)
-
-
-def bf16_check(stride: int = 1) -> int:
-    """How many fp32 inputs the AVX512_BF16 rounding of host_kernel.c's bf16 moments gets wrong against c10's
-    (every `stride`-th fp32 bit pattern); -1 where that code is not built (no AVX512_BF16)."""
-    return _check_on_every_core(_state["lib"].mt_bf16_check, stride)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -245,3 +268,58 @@ def step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg
             for a in range(0, n, piece)]
     for j in jobs:
         j.result()
+
+
+def adamw(params, grads, moments, steps, cfg: TrainSpec, lr: float, decay, clip, copies=None) -> None:
+    """host_state.adamw_step (its arguments' meaning) through the C loop, each parameter in one `step`."""
+    clip = host_adamw.unclipped(clip)
+    for wd, group, into in host_adamw.groups(params, grads, moments, steps, cfg, decay, copies):
+        _one_pass(*group, cfg, lr, wd, clip, into)
+
+
+def _one_pass(params, grads, moments, steps, cfg, lr, wd, clip, copies=None) -> None:
+    # every policy multiplies by the clip factor, as clip_grad_norm_ does (g * 1.0 is g: unclipped is factor 1)
+    factor = 1.0 if clip is None else float(clip)
+    in_pass = "cast_lib" in _state  # the checked cast writes the copy in the step's pass; else torch's, after
+    for k, (p, g, mom, count) in enumerate(zip(params, grads, moments, steps)):
+        copy = copies[k].view(-1) if copies is not None else None
+        step(p.view(-1), g.view(-1), mom.exp_avg.view(-1), mom.exp_avg_sq.view(-1), mom.avg_scale, mom.sq_scale,
+             lr=lr, betas=cfg.betas, weight_decay=wd, eps=cfg.eps, step=float(count) + 1, factor=factor,
+             copy=copy if in_pass else None)
+        if copy is not None and not in_pass:
+            copy.copy_(p.view(-1))
+        count.add_(1)
+
+
+def self_check() -> str:
+    """'' when the loaded library gives host_adamw's torch-op bits for every policy, with and without a clip
+    factor, on tensors with vector bodies, scalar tails and partial fp8 blocks, over three steps (bf16 and fp8
+    moments then hold rounded values); else what differed first."""
+    gen = torch.Generator().manual_seed(0)
+    # tails of 15 and 13 elements: a kernel assuming 8 lanes where torch has 16 (or the reverse) differs there
+    shapes = [(3 * FP8_BLOCK + 15,), (40, 16), (29,), (5,)]
+    cfg = TrainSpec(micro_batch=1, seq_len=1)
+    decay = [True, False, True, False]
+    for name in POLICIES:
+        for clip in (None, torch.tensor(0.37)):
+            runs = []
+            for one_pass in (False, True):
+                gen.manual_seed(1)
+                params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+                moments = [host_adamw.new_moments(name, s) for s in shapes]
+                steps = [torch.zeros(()) for _ in shapes]
+                for k in range(3):
+                    grads = [(torch.randn(s, generator=gen) * 10.0 ** -k).to(host_adamw.grad_dtype(name))
+                             for s in shapes]
+                    grads[0][:7] = 0  # a moment that decays towards the fp8 floor
+                    grads[2][:4] *= 1e-21  # squares below fp32's least normal
+                    grads[2][4:8] *= 1e-18  # second moments subnormal in bf16 too (vcvtneps2bf16 flushes them)
+                    if one_pass:
+                        adamw(params, grads, moments, steps, cfg, 1e-3, decay, clip)
+                    else:
+                        host_adamw.adamw(name, params, grads, moments, steps, cfg, 1e-3, decay, clip)
+                runs.append([*params, *(t for m in moments for t in m.tensors().values())])
+            for i, (a, b) in enumerate(zip(*runs)):
+                if not torch.equal(a.view(torch.uint8), b.view(torch.uint8)):
+                    return f"policy {name}, clip {clip is not None}, tensor {i}"
+    return ""

@@ -17,11 +17,13 @@ from megatrain.planner.train import TrainSpec
 
 
 def lr_at(cfg: TrainSpec, step: int) -> float:
-    """The learning rate of optimizer step `step` (0-based): linear warmup over `warmup_steps`, then the
-    TrainSpec's schedule from lr down to min_lr_ratio * lr at `total_steps` (cosine, linear, constant, or wsd:
-    constant until the last `decay_fraction` of the post-warmup steps, then linear)."""
+    """The learning rate of optimizer step `step` (0-based): linear warmup over `warmup_steps` (lr*(s+1)/W, or
+    under warmup_style "hf" lr*s/W as transformers' schedulers), then the TrainSpec's schedule from lr down to
+    min_lr_ratio * lr at `total_steps` (cosine, linear, constant, or wsd: constant until the last
+    `decay_fraction` of the post-warmup steps, then linear). After warmup both styles agree with transformers'
+    linear and cosine schedules at min_lr_ratio 0."""
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return cfg.lr * (step + (cfg.warmup_style != "hf")) / cfg.warmup_steps
     span = cfg.total_steps - cfg.warmup_steps
     if span <= 0 or cfg.schedule == "constant":
         return cfg.lr

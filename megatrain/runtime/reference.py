@@ -27,7 +27,8 @@ from megatrain.models.moe import moe_layers, update_buffers
 from megatrain.planner.host_policy import resolve
 from megatrain.planner.train import TrainSpec
 
-from .host_state import adamw_step, grad_dtype, new_moments
+from .host_adamw import grad_dtype, new_moments
+from .host_state import adamw_step
 from .optim import clip_coefficient, lr_at, param_groups
 
 

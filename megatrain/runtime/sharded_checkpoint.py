@@ -2,7 +2,7 @@
 
 Where it sits: the Trainer of a world (distributed.py) saves with `save` and resumes with `load`, which also
 reshards (and loads a one-rank checkpoint into a world, or a world's into one rank); export reads a sharded
-checkpoint's whole masters with `read_masters` (checkpoint.py routes there). docs/CHECKPOINTS.md describes the
+checkpoint's whole masters with `read_masters` (any checkpoint's: a one-rank one's through checkpoint.py). docs/CHECKPOINTS.md describes the
 format. Run its tests: `.venv/bin/pytest tests/runtime/test_distributed.py -k checkpoint`.
 
 `ROOT/step-00000120/` of an R-rank run holds, beside what a one-rank checkpoint holds (state.safetensors,
@@ -247,7 +247,7 @@ def _reshard(src: _Source, store, u) -> None:
 
 def _to_whole(src: _Source, store, u) -> None:
     """Rebuild a whole unit of a one-rank store from a sharded checkpoint."""
-    from .host_state import moment_dtype
+    from .host_adamw import moment_dtype
 
     st, dtype = store.units[u.name], moment_dtype(store.policy)
     n = min(u.flat_numel, src.entry["numel"])
@@ -262,12 +262,13 @@ def _to_whole(src: _Source, store, u) -> None:
         views[f"step/{u.name}.{p.name}"].fill_(steps[p.name])
 
 
-def read_masters(ckpt: Path, manifest: dict, unit: dict, buffers: bool = False) -> dict[str, torch.Tensor] | None:
-    """One sharded unit's whole fp32 masters (and buffers) by name, as checkpoint.read_masters returns them;
-    None for a unit with a whole file."""
-    entry = manifest["world"]["sharded"].get(unit["name"])
+def read_masters(ckpt: Path, manifest: dict, unit: dict, buffers: bool = False) -> dict[str, torch.Tensor]:
+    """One unit's fp32 master weights by parameter name, then (with `buffers`) its buffers by name, verified,
+    from any checkpoint (export reads them unit by unit): a sharded unit's gathered from its shards, any other's
+    from its whole file (checkpoint.read_unit_file)."""
+    entry = manifest["world"]["sharded"].get(unit["name"]) if manifest.get("world") else None
     if entry is None:
-        return None
+        return checkpoint.read_unit_file(ckpt, manifest, unit, buffers)
     specs = [(b["name"].removeprefix(unit["name"] + "."), _numel(b["shape"]), tuple(b["shape"]))
              for b in unit.get("buffers", ())]
     src = _Source(ckpt, manifest, unit["name"], entry, buffers=specs)

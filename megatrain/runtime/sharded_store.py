@@ -25,11 +25,11 @@ import math
 
 import torch
 
+from megatrain.ir.layout import buffer_views
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Program
 from megatrain.models import decays, init_into
-from megatrain.models.binding import buffer_views
-from megatrain.models.transformer import param_shapes
+from megatrain.models.eager import param_shapes
 from megatrain.planner.host_policy import HostPolicy
 from megatrain.planner.train import TrainSpec
 from megatrain.planner.world import rank_ir, replicated_units, slice_start

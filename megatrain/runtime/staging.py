@@ -21,7 +21,7 @@ import torch
 
 from megatrain.ir.program import STAGING_BYTES
 
-from .device import Device
+from .stream_device import Device
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,9 @@ before: tests/runtime/test_exactness.py).
 The gradient norm for clipping is never re-read from host gradients: clip_grads combines the device's
 per-parameter norms (the norm of norms, as torch.nn.utils.clip_grad_norm_ computes it) except for a tied
 owner's shared parameter, whose merged gradient exists only here. Numerical faults (`check_finite`, set by the
-Trainer for --on-nan): an update is applied only from finite gradients; the verdict is the finiteness of the
-same norms (a non-finite norm is a non-finite or overflowing gradient), read as one flag per unit, so no pass
-over the gradients checks them. At a clip_grads barrier the global norm and the step's losses decide for the
-whole step; without one, each unit checks its own norms as it steps. A faulty step is recorded in `faults`
+Trainer for --on-nan): the verdict is verdict.py's, from the same norms, so no pass over the gradients checks
+them. At a clip_grads barrier the global norm and the step's losses decide for the whole step; without one,
+each unit checks its own norms as it steps. A faulty step is recorded in `faults`
 (drained by the Trainer) and every unit still to step in it skips its update (with `stop_on_fault`, every
 later update too), so no NaN or inf ever reaches a master weight or a moment. Checkpoints (checkpoint.py)
 read and write the state through `state_tensors`, views of the store's own memory.
@@ -43,23 +42,21 @@ read and write the state through `state_tensors`, views of the store's own memor
 Buffers (MoE routing state, models/routing.py): one flat fp32 tensor per unit that has any, starting at 0 like
 the eager model's, copied whole into the device slot by load_params. The engine's store_grads hands over the
 step's routing records (`put_routing`); `step_unit` updates the buffers from them right after the unit's
-AdamW update, once per optimizer step, as the eager reference does after optimizer.step(). A skipped (faulty)
-step drops them.
+AdamW update (moe_logs.py `update_unit_buffers`), once per optimizer step, as the eager reference does after
+optimizer.step(). A skipped (faulty) step drops them.
 """
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
 
+from megatrain.ir.layout import buffer_views
 from megatrain.ir.model_ir import ModelIR, ParamSlice, UnitIR
 from megatrain.ir.program import STAGING_BYTES, Program, checkpoint_tensors
 from megatrain.ir.trace import DTYPES as TRACE_DTYPES
 from megatrain.models import ModelConfig, decays, init_into, templates
-from megatrain.models.binding import buffer_views
-from megatrain.models.moe import update_buffers
 from megatrain.planner.costs import default_cast
 from megatrain.planner.host_policy import HostPolicy, grad_buffer_elems, resolve, staged
 from megatrain.planner.train import TrainSpec
@@ -67,19 +64,14 @@ from megatrain.planner.train import TrainSpec
 from . import host_init
 from .cast import feed as cast_feed
 from .cast import host_buffers as cast_buffers
+from .host_adamw import Moments, grad_dtype, moment_dtype, n_blocks
 from .host_memory import HostArena, HostBuffer
-from .host_state import Moments, adamw_step, grad_dtype, moment_dtype, n_blocks, update_bound
+from .host_state import adamw_step
+from .moe_logs import update_unit_buffers
 from .optim import clip_coefficient
+from .verdict import growth, step_fault, unit_fault
 
-SAFE_MAX = float(torch.finfo(torch.float32).max) / 4  # a weight bound past this may overflow within the step
 KEEP_GRAD_NORMS = 16  # steps of global gradient norms kept for readers behind the host stream
-
-
-def _norm(v: torch.Tensor) -> float:
-    """The L2 norm of a fp32 tensor (>= its largest |element|): the fast fp32 reduction, or in fp64 where
-    squares overflowed fp32 (weights past 1.8e19)."""
-    n = float(torch.linalg.vector_norm(v))
-    return n if math.isfinite(n) else float(torch.linalg.vector_norm(v, dtype=torch.float64))
 
 
 class UnitState:
@@ -136,6 +128,7 @@ class HostStore:
                  program: Program | None = None, device: str = "sim", init: bool = True) -> None:
         self.ir, self.optim, self.program = ir, optim, program
         self.policy = resolve(policy)
+        self._exact = self.policy.name == "exact"  # the update bound of exact moments (verdict.py)
         self.config = ModelConfig.model_validate(ir.config)
         self.compute_dtype = TRACE_DTYPES[ir.dtype]
         self.cast = (program.cast if program is not None else None) or default_cast(ir.dtype)  # planner/cast.py
@@ -398,18 +391,8 @@ class HostStore:
         self.clip_coef = clip_coefficient(total, self.optim.clip_norm) if self.optim.clip_norm else None
         if self.check_finite:
             self._barrier_step = step
-            bad = [float(x) for x in losses or () if not math.isfinite(float(x))]
-            fault = None
-            if bad:
-                fault = f"the loss is {bad[0]}"
-            elif not math.isfinite(self.last_grad_norm):
-                # NOTE: a norm that overflows fp32 (gradients near 1e19) counts as a fault too
-                fault = f"the gradients are not finite (global norm {self.last_grad_norm})"
-            elif lr is not None:  # a barrier decides for every unit, before any of them changes
-                risky = next((u for u in self.units if self._would_overflow(self.units[u], lr)), None)
-                if risky is not None:
-                    fault = self._overflow_message(risky, lr)
-            fault = self._agree(fault)
+            fault = self._agree(step_fault(losses, self.last_grad_norm, self.units.values(), lr, self.optim,
+                                           self._exact))
             if fault is not None:
                 self._fault(step, fault)
 
@@ -430,7 +413,8 @@ class HostStore:
 
     def step_unit(self, unit: str, lr: float, step: int = -1, host_grad: int | None = None) -> None:
         """AdamW under the policy on one unit's masters (host_state.adamw_step), then its buffers' update
-        (MoE routing). With `check_finite`, skipped (no change at all) in a step found faulty."""
+        (MoE routing, moe_logs.py). With `check_finite`, skipped (no change at all) in a step found faulty
+        (verdict.py)."""
         st = self.units[unit]
         if host_grad is not None and host_grad != st.grad_buffer:
             raise ValueError(f"optimizer_step({unit}) from hgrad{host_grad}, but its gradients landed in "
@@ -438,49 +422,22 @@ class HostStore:
         self._merge_tied_grads(unit)
         if self.check_finite and self._barrier_step != step and self._fault_step != step:
             # no barrier checked this step: the unit's norms decide (one flag; no pass over the gradients)
-            found_inf = not bool(torch.isfinite(torch.stack([*st.norms.unbind(), *self._norms(st)])).all())
-            if found_inf:
-                self._fault(step, f"the gradients of {unit} are not finite")
-            elif self._would_overflow(st, lr):
-                self._fault(step, self._overflow_message(unit, lr))
+            fault = unit_fault(st, self._norms(st), lr, self.optim, self._exact)
+            if fault is not None:
+                self._fault(step, fault)
         if self.check_finite and (self._fault_step == step or (self.stop_on_fault and self._fault_step is not None)):
             st.routing = None
-            with self._lock:
-                self._merged.discard(unit)
-            return
-        growth = self._growth(st, lr)
-        adamw_step(self.policy, st.master_views(), st.views(st.grad), st.moments, st.steps, self.optim, lr,
-                   st.decay, self.clip_coef, copies=self.feed.copies(unit))
-        self.feed.stepped(unit)
-        if st.bound is not None:
-            st.bound = st.bound * growth[0] + growth[1]  # what the update can do to any weight: no pass over them
-        if st.unit.buffers:
-            update_buffers(self._templates[st.unit.template], buffer_views(st.buffers, st.unit.buffers),
-                           st.routing or [])
-            st.routing = None
+        else:
+            a, b = growth(st, lr, self.optim, self._exact)
+            adamw_step(self.policy, st.master_views(), st.views(st.grad), st.moments, st.steps, self.optim, lr,
+                       st.decay, self.clip_coef, copies=self.feed.copies(unit))
+            self.feed.stepped(unit)
+            if st.bound is not None:
+                st.bound = st.bound * a + b  # what the update can do to any weight: no pass over them
+            if st.unit.buffers:
+                update_unit_buffers(self._templates[st.unit.template], st)
         with self._lock:
             self._merged.discard(unit)
-
-    def _growth(self, st: UnitState, lr: float) -> tuple[float, float]:
-        """(a, b) with |w_new| <= a |w| + b for every weight of the unit at this step (host_state.update_bound)."""
-        t = (int(st.steps[0]) + 1) if st.steps else 1
-        wd = self.optim.weight_decay if any(st.decay) else 0.0
-        return max(1.0, abs(1 - lr * wd)), lr * update_bound(self.optim, t, self.policy.name == "exact")
-
-    def _would_overflow(self, st: UnitState, lr: float) -> bool:
-        """Whether this step's update could take a weight of the unit past fp32's range, decided before anything
-        changes. The bound on |w| starts at the masters' L2 norm (one pass, when unknown) and then grows by
-        what each update can add, so steps read no weight."""
-        if not st.owned:
-            return False
-        if st.bound is None:
-            st.bound = math.hypot(*(_norm(v) for v in st.master_views()))
-        a, b = self._growth(st, lr)
-        return not st.bound * a + b < SAFE_MAX
-
-    def _overflow_message(self, unit: str, lr: float) -> str:
-        return (f"the update of {unit} could overflow fp32 (learning rate {lr:.3g}, weights up to "
-                f"{self.units[unit].bound:.3g})")
 
     def put_routing(self, unit: str, logs: list[list[dict[str, torch.Tensor]]]) -> None:
         """The step's routing records of `unit` (one list per micro-batch), for its optimizer step."""

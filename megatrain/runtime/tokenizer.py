@@ -22,7 +22,9 @@ Run its tests: `.venv/bin/pytest tests/runtime/test_tokenizer.py`.
   The eos id falls back to generation_config.json's, then config.json's `eos_token_id` (an int or a list: the
   first) when no eos token is named.
 - Text is encoded without the post-processor's special tokens (`add_special_tokens=False`), as
-  `apply_chat_template` tokenizes; truncation and padding baked into tokenizer.json are switched off, as
+  `apply_chat_template` tokenizes; plain-text documents (`encode_documents`) with them, as `tokenizer(text)`
+  does (the post-processor rebuilt from add_bos_token / add_eos_token where transformers 5 rebuilds it); a
+  Llama tokenizer's pipeline is rebuilt as transformers 5's LlamaTokenizer builds it (`_as_transformers_class`); truncation and padding baked into tokenizer.json are switched off, as
   transformers does for a plain call. Decoding keeps special tokens.
 - Files are read only when they are regular files (links to them included: the Hugging Face cache is links)
   under MAX_FILE_BYTES; any problem a user can fix raises `DataError` with one line naming the file and the fix.
@@ -270,6 +272,8 @@ class Tokenizer:
         backend.encode_special_tokens = config.get("split_special_tokens", False)
         backend.no_truncation()
         backend.no_padding()
+        _as_transformers_class(backend, config, tokenizer_json)
+        _document_post_processor(backend, config, named)
 
         templates, source = resolve_chat_templates(folder, config, config_path)
         vocab = backend.get_vocab(with_added_tokens=True)
@@ -291,7 +295,19 @@ class Tokenizer:
             chat_template_source=str(source) if source else None, files=files, backend=backend,
         )
 
+    @property
+    def chat_template_sha256(self) -> str | None:
+        """The hash of the chat template examples are rendered with (token-file sidecars record it)."""
+        return hashlib.sha256(self.chat_template.encode()).hexdigest() if self.chat_template is not None else None
+
     # -- encoding -----------------------------------------------------------------------------------------
+    def encode_documents(self, texts: list[str]) -> list[list[int]]:
+        """Ids of plain-text documents as `tokenizer(text)["input_ids"]` gives them: with the special tokens of
+        the tokenizer's post-processor (its bos, where it adds one), or of its add_bos_token / add_eos_token."""
+        if self._backend is None:
+            return [self.encode(t) for t in texts]
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=True)]
+
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`, without the post-processor's special tokens (add_special_tokens=False)."""
         if self._backend is None:
@@ -328,6 +344,53 @@ class Tokenizer:
             b = token.encode("utf-8")
             return b[0] if len(b) == 1 else None
         return self._backend.token_to_id(token)
+
+
+def _document_post_processor(backend, config: dict, named: dict) -> None:
+    """transformers 5 rebuilds the post-processor from add_bos_token / add_eos_token (default false) when the
+    config names either or tokenizer.json has none; otherwise tokenizer.json's own is used."""
+    from tokenizers import processors
+
+    if not ("add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None):
+        return
+    single, pair, specials = "$A:0", "$B:1", []
+    for key, flag in (("bos_token", "add_bos_token"), ("eos_token", "add_eos_token")):
+        token = _content(named[key]) if key in named else None
+        if config.get(flag) is True and token is not None and backend.token_to_id(token) is not None:
+            single = f"{token}:0 {single}" if key == "bos_token" else f"{single} {token}:0"
+            pair = f"{token}:1 {pair}" if key == "bos_token" else f"{pair} {token}:1"
+            specials.append((token, backend.token_to_id(token)))
+    backend.post_processor = processors.TemplateProcessing(single=single, pair=f"{single} {pair}",
+                                                           special_tokens=specials)
+
+
+LLAMA_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast")
+
+
+def _as_transformers_class(backend, config: dict, tokenizer_json: Path) -> None:
+    """transformers 5 does not read a Llama tokenizer's pipeline from tokenizer.json: LlamaTokenizer rebuilds
+    it (no normalizer; a Metaspace pre-tokenizer that prepends "▁" to the first piece of text only, unless
+    `legacy`, or to none without add_prefix_space). Llama-2 folders saved by transformers 4 hold the older
+    pipeline (a normalizer that prepends "▁" after every special token too), so we rebuild as it does; a
+    Llama tokenizer that is not a BPE model cannot be, and is refused naming the difference."""
+    if config.get("tokenizer_class") not in LLAMA_CLASSES:
+        return
+    from tokenizers import decoders, pre_tokenizers
+
+    kind = type(backend.model).__name__
+    if kind != "BPE":
+        raise DataError(f"{tokenizer_json}: a {config['tokenizer_class']} whose model is {kind}, "
+                        "not BPE: transformers 5 rebuilds Llama tokenizers as BPE, so the ids would differ; "
+                        f"re-save it with {resave_command(tokenizer_json.parent)}")
+    prefix = config.get("add_prefix_space")
+    prefix = True if prefix is None else prefix
+    scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
+    model = backend.model  # BPE(vocab, merges, fuse_unk=True, byte_fallback=True), with no unk token
+    model.unk_token, model.fuse_unk, model.byte_fallback, model.dropout, model.ignore_merges = None, True, True, None, False
+    backend.normalizer = None
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme=scheme, split=False)
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if prefix else []))
 
 
 def _add_tokens_as_transformers(backend, folder: Path, config: dict, named: dict, extras: list) -> None:
@@ -371,3 +434,25 @@ def _add_tokens_as_transformers(backend, folder: Path, config: dict, named: dict
             have.add(token.content)
     if to_add:
         backend.add_tokens(to_add)
+
+
+def check_made_with(path: Path, meta: dict, model_dir: Path) -> None:
+    """A token file made for `model_dir`'s tokenizer: the same tokenizer.json and, for instruction data, the
+    same chat template (its hash in the sidecar; files from before it was recorded are not checked)."""
+    mine = model_dir / "tokenizer.json"
+    if not mine.is_file():
+        return
+    if meta.get("tokenizer_sha256") != hashlib.sha256(read_file_bytes(mine)).hexdigest():
+        raise DataError(f"{path}: was made with another tokenizer ({meta.get('tokenizer', 'unknown')}) than the "
+                        f"model's {mine}; prepare it with `megatrain prepare ... --tokenizer {model_dir}`")
+    if "examples" not in meta or "chat_template_sha256" not in meta:
+        return
+    config_path = model_dir / "tokenizer_config.json"
+    config = _optional_json(config_path, f"fix it or re-save the tokenizer with {resave_command(model_dir)}") or {}
+    template, source = resolve_chat_templates(model_dir, config, config_path)
+    template = template.get("default")
+    have = hashlib.sha256(template.encode()).hexdigest() if template is not None else None
+    if meta["chat_template_sha256"] != have:
+        raise DataError(f"{path}: was rendered with another chat template than the model's "
+                        f"({source or 'it has none'}); prepare it again with `megatrain prepare ... --tokenizer "
+                        f"{model_dir}`")

@@ -35,37 +35,31 @@ from megatrain.models import packing, routing, run_unit
 from megatrain.planner.cast import device_stage_elems
 from megatrain.planner.hardware import Hardware
 from megatrain.planner.host_policy import resolve
-from megatrain.planner.profile import (
-    UnitProfile,
-    UnitTimes,
-    cache_dir,
-    config_sha,
-    profile_key,
-    read_cached,
-    write_cached,
-)
+from megatrain.planner.profile import UnitProfile, UnitTimes, config_sha, profile_key
+from megatrain.planner.profile_cache import cache_dir, read_cached, write_cached
 from megatrain.planner.train import TrainSpec
 
 from .cpus import resolve as resolve_cpus
-from .device import Device, make_device
+from .device import make_device
 from .engine import Engine
 from .store import HostStore
+from .stream_device import Device
 
-# NOTE: rounds dropped before the timed ones; with one, consecutive probes of a model in one process differed
-# by up to 30% per op on the 2-core test VM, with three to four by under 10% (docs/RESULTS.md, issue 20)
+# NOTE: rounds dropped before the timed ones: a process's first rounds pay allocator growth, lazy inits and cold
+# caches, and with one dropped round consecutive probes of a model disagreed per op (docs/RESULTS.md, issue 20)
 WARMUP_ROUNDS = 3
 NEXT = "probe-next"  # the name of the (absent) unit after the one probed: its carry-in is the forward's output
 # NOTE: a run that keeps graphs makes them one after another, each in memory no recent op touched, and reads
-# them back in reverse. Timed alone, with each graph freed before the next forward reuses its memory, `small`'s
-# block forward took 8.5-8.9 ms against 10.3-10.5 ms in a run keeping 32 graphs (2-core test VM). So on the sim
+# them back in reverse. Timed alone, with each graph freed before the next forward reuses its memory (warm in
+# cache), a forward ran faster than it does in a run keeping many graphs on the 2-core test VM. So on the sim
 # device the kept-graph forward and backward are timed as a pass: PASS_BYTES of the unit's graphs (at least
 # one, at most PASS_MAX) made in a row, then their backwards in reverse. A GPU's memory is the plan's budget and
 # its kernels are not slowed that way: one graph there.
 PASS_BYTES = 64 << 20
 PASS_MAX = 16
-# NOTE: one op beside a busy stream varies by 20-40% between samples on the 2-core test VM (`small`'s block
-# forward: 10.5-18 ms). With 5 rounds and the ratio of medians, four probes in a row of one process gave the
-# compute stream's factor beside h2d as 1.0, 1.0, 1.32 and 1.0; the planner stretched whole steps by it.
+# NOTE: one op beside a busy stream varies widely between samples on a small machine; with few rounds,
+# consecutive probes of one process disagreed on the compute stream's factor beside h2d, and the planner
+# stretched whole steps by whichever it got.
 CONTENTION_ROUNDS = 15
 
 
@@ -194,10 +188,10 @@ def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, obj
     ops = [("forward_s", lambda: e.forward(0, name, 0, 0)), *free(*([nxt] if out_carry else [])),
            ("forward_warm_s", lambda: e.forward(0, name, 0, 0)), *free(*([nxt] if out_carry else [])),
            *[op for k in range(e.graphs) for op in (
-               ("forward_graph_s", lambda: e.forward(0, name, 0, 0, keep_graph=True)),
+               ("forward_graph_s", lambda: e.forward(0, name, 0, 0, mode="keep")),
                *free(*([nxt] if out_carry else [])), *([("hold", e.hold)] if k < e.graphs - 1 else []))],
            *[op for k in range(e.graphs) for op in (
-               *([("unhold", e.unhold)] if k else []), ("backward_s", lambda: e.backward(0, name, 0, 0, 0)),
+               *([("unhold", e.unhold)] if k else []), ("backward_s", lambda: e.backward(0, name, 0, 0, 0, source="saved")),
                *free(f"saved.{name}.0", *([dc] if u.kind != "embed" else [])))],
            ("recompute_backward_s", lambda: e.backward(0, name, 0, 0, 0)),
            *free(*([dc] if u.kind != "embed" else [])),
@@ -206,12 +200,12 @@ def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, obj
            ("norm_backward", lambda: e.backward(0, name, 0, 0, 0, norm=True)),
            *free(*([dc] if u.kind != "embed" else []))]
     if u.replay and carry:  # a forward keeping its attention record, and the backward replaying it
-        ops += [("forward_replay_s", lambda: e.forward(0, name, 0, 0, replay=True)), *free(nxt),
-                ("replay_backward_s", lambda: e.backward(0, name, 0, 0, 0, replay=True)),
+        ops += [("forward_replay_s", lambda: e.forward(0, name, 0, 0, mode="replay")), *free(nxt),
+                ("replay_backward_s", lambda: e.backward(0, name, 0, 0, 0, source="replay")),
                 *free(dc, f"attn.{name}.0")]
     if getattr(e.templates[u.template], "can_rebuild", False) and carry and out_carry:
-        ops += [("forward_rebuild_s", lambda: e.forward(0, name, 0, 0, rebuild=True)), *free(cin),
-                ("rebuild_backward_s", lambda: e.backward(0, name, 0, 0, 0, rebuild=True)),
+        ops += [("forward_rebuild_s", lambda: e.forward(0, name, 0, 0, mode="rebuild")), *free(cin),
+                ("rebuild_backward_s", lambda: e.backward(0, name, 0, 0, 0, source="rebuild")),
                 *free(f"side.{name}.0", dc, nxt)]  # the rebuilt carry-in stays for the next round
     ops += [("load_s", lambda: e.load_params(0, name, 0)),
             ("store_s", lambda: e.store_grads(0, name, 0, e.store.units[name].grad_buffer))]
@@ -334,10 +328,7 @@ def _contention(e: ProbeEngine, policy: str, repeats: int) -> dict[str, dict[str
                                 torch.cuda.current_stream().synchronize()
                     dev.submit(t, loop, f"probe busy {t}")
                     started.wait()
-                e.timeline, e._t0, e._t0_event = [], time.perf_counter(), None
-                if cuda:
-                    e._t0_event = torch.cuda.Event(enable_timing=True)
-                    e._t0_event.record()
+                e.start_timeline()
                 measured[s]()
                 dev.synchronize(s)
                 stop.set()
@@ -391,10 +382,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
         samples: list[dict[str, list[float]]] = [{} for _ in engines]
         for r in range(repeats + WARMUP_ROUNDS):  # the first ones warm up (allocator, kernels, lazy inits)
             for e, got in zip(engines, samples):
-                e.timeline, e._t0, e._t0_event = [], time.perf_counter(), None
-                if device.kind == "cuda":
-                    e._t0_event = torch.cuda.Event(enable_timing=True)
-                    e._t0_event.record()
+                e.start_timeline()
                 kinds = []
                 for what, submit in _ops(e, policies, clip):
                     before = len(e.timeline)

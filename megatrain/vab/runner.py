@@ -23,9 +23,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from megatrain.files import MAX_JSON_DEPTH, json_depth, read_regular
+
 from .base import DEFAULT_PARSE, NUM_TRIALS, PROTOCOLS, ParseMode, Protocol, VabModel
 from .errors import VabError
-from .jsonl import append_line, describe_validation_error
+from .jsonl import MAX_JSONL_BYTES, append_line, describe_validation_error
 from .judges import Judge
 from .protocol import TrialResult, derive_pair, run_trial
 from .tasks import Task
@@ -47,7 +49,7 @@ def _split_complete(path: Path, repair: bool) -> tuple[list[str], bool]:
     """Complete lines of `path` and whether a truncated tail was found (cut off the file when `repair`)."""
     if not path.exists():
         return [], False
-    data = path.read_bytes()
+    data = read_regular(path, MAX_JSONL_BYTES, "a results file written by `megatrain-vab run`", VabError)
     end = data.rfind(b"\n") + 1
     truncated = end < len(data)
     if truncated and repair:
@@ -69,10 +71,17 @@ def load_results(path: str | Path, repair: bool = False) -> tuple[list[TrialResu
         if not line.strip():
             continue
         try:
-            result = TrialResult.model_validate(json.loads(line))
+            value = json.loads(line)
+            if json_depth(value) > MAX_JSON_DEPTH:
+                raise VabError(f"{path}:{lineno}: nested more than {MAX_JSON_DEPTH} levels deep, which no trial "
+                               "result is; pass a file written by `megatrain-vab run`")
+            result = TrialResult.model_validate(value)
         except json.JSONDecodeError as exc:
             raise VabError(f"{path}:{lineno}: not valid JSON ({exc.msg}); the file is damaged before its last "
                            "line: delete that line (the trial will be redone) or start a new --out") from None
+        except (RecursionError, MemoryError) as exc:
+            raise VabError(f"{path}:{lineno}: not valid JSON ({type(exc).__name__}: nested too deeply or too "
+                           "large); pass a file written by `megatrain-vab run`") from None
         except ValidationError as exc:
             raise VabError(f"{path}:{lineno}: not a trial result ({describe_validation_error(exc)}); "
                            "pass a file written by `megatrain vab run`") from None

@@ -3,8 +3,10 @@ instruction's arguments; identifiers are validated; cross-step waits are marked.
 
 import pytest
 
-from megatrain.codegen import CodegenError, emit, live_bytes, load
+from megatrain.codegen import CodegenError, emit, load
+from megatrain.codegen.emit import cross_step_waits
 from megatrain.ir.program import Buffer, Instr, Program
+from megatrain.planner.timeline import live_bytes
 
 BUFS = (
     Buffer(name="slot0", kind="param_slot", nbytes=100, static=True),
@@ -85,3 +87,27 @@ def test_wait_for_event_never_recorded_is_refused():
     broken = p.replace(instrs=p.instrs[:-1])
     with pytest.raises(CodegenError, match="never recorded"):
         emit(broken)
+
+
+def test_an_evaluation_program_runs_through_the_same_interpreter():
+    """The evaluation program (planner/evaluation.py) renders as evaluate(rt, batch): the step's slots with
+    prefetch, one eval-mode forward per unit and batch, its own events and no wait on a previous run."""
+    from megatrain.planner import TrainSpec, plan
+    from megatrain.planner.evaluation import eval_program
+    from megatrain.planner.synthetic import transformer_ir
+
+    ir = transformer_ir(n_layers=4, micro_batch=2, seq_len=128, target="cpu")
+    step = plan(ir, "cpu", TrainSpec(micro_batch=2, seq_len=128, grad_accum=2), "6MiB").program
+    program = eval_program(ir, step, 3)
+    assert program.purpose == "eval" and not cross_step_waits(program)
+    rt = Recorder()
+    load(emit(program)).evaluate(rt, ["b"] * 3)
+    calls = rt.calls[1:-1]
+    assert rt.calls[0] == ("begin_eval", (["b"] * 3,), {}) and rt.calls[-1] == ("end_eval", (), {})
+    assert [c[1][0] for c in calls] == list(range(len(program.instrs)))
+    forwards = [c for c in calls if c[0] == "forward"]
+    assert len(forwards) == 3 * len(ir.units) and all(c[2]["mode"] == "eval" for c in forwards)
+    assert [c[1][1] for c in calls if c[0] == "load_params"] == [u.name for u in ir.units]
+    assert {c[2]["slot"] for c in forwards} == set(range(sum(b.kind == "param_slot" for b in step.buffers)))
+    assert all(c[1][2].startswith("eval.") for c in calls if c[0] in ("record", "wait"))
+    assert not any("previous_step" in c[2] for c in calls)

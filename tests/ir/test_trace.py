@@ -125,7 +125,7 @@ def test_inspect_json_params_total(capsys, name, count):
     (["inspect"], "--model"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, needle):
-    proc = subprocess.run([sys.executable, "-m", "megatrain.cli", *argv], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "megatrain", *argv], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("error: ") and needle in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -175,3 +175,15 @@ def test_traced_memory_equals_a_real_cpu_run(chunk):
             del out, grads
         peak = {m: max(sum(n for _, n in s) for s in m.sums) for m in (fwd, bwd)}
         assert (u.saved_bytes, u.peak_fwd_bytes, u.peak_bwd_bytes) == (sum(saved.values()), peak[fwd], peak[bwd])
+
+
+def test_tracing_leaves_torchs_flop_formulas_as_they_were():
+    """Importing the tracer and tracing change nothing global: megatrain completes torch's FLOP formulas (the
+    CPU's fused attention, grouped-query shapes, addmm's dtype overload) in a copy of its own."""
+    code = ("from torch.utils.flop_counter import flop_registry as r; before = dict(r); "
+            "from megatrain.ir.trace import trace; from megatrain.models import preset; "
+            "ir = trace(preset('tiny'), 1, 16, 'fp32', target='cpu'); "
+            "assert dict(r) == before, set(r.items()) ^ set(before.items()); "
+            "assert ir.units[1].attn_flops_fwd > 0; print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr

@@ -23,8 +23,9 @@ from megatrain.models import (
     routing,
     templates,
 )
-from megatrain.models.moe import MoEConfig, MoEFFN, active_params
-from megatrain.models.transformer import EagerModel
+from megatrain.models.config import MoEConfig
+from megatrain.models.eager import EagerModel
+from megatrain.models.moe import MoEFFN, active_params
 
 MOE_TINY = preset("moe-tiny")
 

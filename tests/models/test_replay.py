@@ -10,7 +10,7 @@ from megatrain.ir.trace import trace
 from megatrain.models import StepInputs, init_weights, preset, rope_tables, routing, run_unit, templates
 from megatrain.models.config import ModelConfig
 from megatrain.models.replay import Record, _with_lse, record_attention, replay_attention
-from megatrain.models.transformer import template_key
+from megatrain.models.units import template_key
 
 TINY = preset("tiny")
 B, T = 2, 24

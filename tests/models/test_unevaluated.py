@@ -33,7 +33,7 @@ def _block(config: ModelConfig, layer: int, dtype: torch.dtype, chunk: int | Non
 
 
 def _key(config, layer):
-    from megatrain.models.transformer import template_key
+    from megatrain.models.units import template_key
 
     return template_key(config, f"blocks.{layer}")
 

@@ -4,17 +4,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatrain.ir.layout import pack, views
 from megatrain.ir.trace import trace
 from megatrain.models import (
     StepInputs,
     build_eager,
     init_weights,
-    pack,
     preset,
     rope_tables,
     run_unit,
     templates,
-    views,
 )
 from megatrain.models.config import ModelConfig
 from megatrain.models.loss import chunked_cross_entropy
@@ -113,7 +112,7 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_torchs_fused_math_and_saves_only_its_input_and_row_statistics(dtype):
-    from megatrain.models.transformer import RMSNorm
+    from megatrain.models.layers import RMSNorm
 
     norm = RMSNorm(64, 1e-5)
     with torch.no_grad():
@@ -141,7 +140,7 @@ def test_rms_norm_is_torchs_fused_math_and_saves_only_its_input_and_row_statisti
 
 
 def test_rms_norm_backward_passes_gradcheck():
-    from megatrain.models.transformer import _RMSNorm
+    from megatrain.models.layers import _RMSNorm
 
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
     w = torch.randn(16, dtype=torch.float64, requires_grad=True)
@@ -149,7 +148,7 @@ def test_rms_norm_backward_passes_gradcheck():
 
 
 def test_rope_is_the_rotate_half_formula_in_three_kernels():
-    from megatrain.models.transformer import apply_rope
+    from megatrain.models.layers import apply_rope
 
     c = preset("tiny")
     cos, sin = rope_tables(c, 24, torch.float32)
@@ -171,7 +170,7 @@ def test_rope_is_the_rotate_half_formula_in_three_kernels():
 ])
 def test_grouped_query_attention_repeats_k_and_v_only_where_the_kernel_cannot_broadcast(device, target, dtype,
                                                                                        repeats):
-    from megatrain.models.transformer import causal_attention
+    from megatrain.models.layers import causal_attention
 
     q = torch.randn(1, 8, 32, 16, device=device, dtype=dtype)
     k, v = (torch.randn(1, 2, 32, 16, device=device, dtype=dtype) for _ in range(2))

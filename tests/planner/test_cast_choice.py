@@ -11,9 +11,9 @@ from megatrain.planner import Hardware, ScheduleError, TrainSpec, hardware_prese
 from megatrain.planner.cast import SAVING, device_stage_elems, with_cast
 from megatrain.planner.costs import CostModel, load_seconds_per_element
 from megatrain.planner.hardware import HOST_CAST
-from megatrain.planner.probe import cast_thread_counts
 from megatrain.planner.synthetic import transformer_ir
 from megatrain.planner.verify import verify
+from megatrain.runtime.machine_probe import cast_thread_counts
 
 TRAIN_8K = TrainSpec(micro_batch=1, seq_len=8192)
 

@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from planner_testing import drawn_program, hardwares, model_irs
+from program_testing import program_for
 
 from megatrain.planner import TrainSpec, plan
 from megatrain.planner.costs import CostModel
 from megatrain.planner.estimate import estimate_time, step_period
-from megatrain.planner.passes import program_for
 from megatrain.planner.schedule import Decisions
 
 

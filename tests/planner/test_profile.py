@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_testing import drawn_program, hardwares, model_irs, traced
 
-from megatrain.planner import TrainSpec, hardware_preset, plan
+from megatrain.planner import TrainSpec, hardware_preset, plan, profile_cache
 from megatrain.planner import profile as pr
 from megatrain.planner.costs import CostModel
 from megatrain.planner.estimate import estimate_time, step_period
@@ -80,7 +80,7 @@ def test_an_unwritable_profile_cache_is_refused_before_a_probe_measures(tiny, tm
         unit_probe.probe_hardware(tiny, hardware_preset("cpu"))
     hw = hardware_preset("cpu").replace(units=synthetic_profile(tiny))
     with pytest.raises(ValueError, match="cannot write a probed profile"):
-        pr.write_cached(hw)
+        profile_cache.write_cached(hw)
 
 
 def test_cache_roundtrip_and_corrupt_entries(tiny, tmp_path, monkeypatch):
@@ -88,16 +88,16 @@ def test_cache_roundtrip_and_corrupt_entries(tiny, tmp_path, monkeypatch):
     prof = synthetic_profile(tiny)
     assert pr.key_of(prof) == prof.key
     hw = hardware_preset("cpu").replace(units=prof)
-    path = pr.write_cached(hw)
-    assert path == pr.cache_path(prof.key) and path.parent == tmp_path
-    assert pr.read_cached(prof.key) == hw
-    assert pr.read_cached("0" * 24) is None  # nothing cached
+    path = profile_cache.write_cached(hw)
+    assert path == profile_cache.cache_path(prof.key) and path.parent == tmp_path
+    assert profile_cache.read_cached(prof.key) == hw
+    assert profile_cache.read_cached("0" * 24) is None  # nothing cached
     path.write_text("{not json")
-    assert pr.read_cached(prof.key) is None
+    assert profile_cache.read_cached(prof.key) is None
     data = json.loads(hw.to_json())
     data["units"]["micro_batch"] = 7  # fields that no longer hash to the key
     path.write_text(json.dumps(data))
-    assert pr.read_cached(prof.key) is None
+    assert profile_cache.read_cached(prof.key) is None
 
 
 @settings(max_examples=30, deadline=None)

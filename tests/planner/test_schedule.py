@@ -6,8 +6,8 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 from planner_testing import model_irs
+from program_testing import program_for
 
-from megatrain.planner.passes import program_for
 from megatrain.planner.schedule import Decisions, make_order
 from megatrain.planner.synthetic import transformer_ir
 

@@ -4,9 +4,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from planner_testing import find, model_irs, without
+from program_testing import program_for
 
 from megatrain.planner import ScheduleError, check, verify
-from megatrain.planner.passes import program_for
 from megatrain.planner.schedule import Decisions
 from megatrain.planner.synthetic import transformer_ir
 
@@ -143,3 +143,18 @@ def test_norm_and_host_grad_flags_are_checked():
     assert any("should have norm=True" in m for m in problems), problems
     assert any("should have no norm" in m for m in problems), problems
     assert any("optimizer_step(unit=blocks.2" in m and "steps from host_grad" in m for m in problems), problems
+
+
+def test_a_backward_takes_its_graph_from_what_its_forward_kept():
+    p = _program(K=2)  # blocks.2 is kept: its forwards keep the graph its backwards take
+    fwd = next(k for k, ins in enumerate(p.instrs) if ins.op == "forward" and ins.unit == "blocks.2")
+    bwd = next(k for k, ins in enumerate(p.instrs) if ins.op == "backward" and ins.unit == "blocks.2")
+    assert (p.instrs[fwd].mode, p.instrs[bwd].source) == ("keep", "saved")
+    instrs = list(p.instrs)
+    instrs[bwd] = instrs[bwd].replace(source="recompute")
+    problems = check(p.replace(instrs=tuple(instrs)))
+    assert any("backward(unit=blocks.2" in m and "takes its graph from recompute" in m for m in problems), problems
+    instrs = list(p.instrs)
+    instrs[fwd] = instrs[fwd].replace(mode="replay", writes=instrs[fwd].writes[:1])
+    problems = check(p.replace(instrs=tuple(instrs)))
+    assert any("source=replay" in m for m in problems), problems

@@ -7,10 +7,10 @@ from megatrain.ir.trace import trace
 from megatrain.models import ModelConfig
 from megatrain.planner import TrainSpec, hardware_preset, plan
 from megatrain.planner.world import World
-from megatrain.runtime.device import SimDevice
 from megatrain.runtime.engine import Engine
 from megatrain.runtime.optim import lr_at
 from megatrain.runtime.sharded_store import ShardedHostStore
+from megatrain.runtime.stream_device import SimDevice
 
 
 def streamed(comm, config: dict, train: dict, budget: int, batches, policy: str = "exact", delays=None) -> dict:
@@ -49,12 +49,14 @@ def global_batches(config: dict, train: dict, steps: int, seed: int = 0):
 def resume_and_train(comm, data: str, ckpt: str, steps: int = 4) -> dict:
     """Resume the CLI run of test_distributed's checkpoint test from `ckpt` on this world: the weights it
     resumed with, and those after training to `steps` (checkpointing into `ckpt` as it goes)."""
+    from megatrain.runtime.config import RunConfig
     from megatrain.runtime.trainer import Trainer
 
     train = TrainSpec(micro_batch=1, seq_len=32, grad_accum=6, dtype="fp32", lr=3e-3, warmup_steps=1,
                       total_steps=steps, clip_norm=1.0)
-    with Trainer("tiny", train, 8 * 2**20, hardware="cpu", device="sim", data=data, checkpoint_dir=ckpt,
-                 checkpoint_every=2, resume=ckpt, comm=comm) as trainer:
+    run = RunConfig(model="tiny", train=train, gpu_mem=8 * 2**20, hardware="cpu", device="sim", data=data,
+                    checkpoint_dir=ckpt, checkpoint_every=2, resume=ckpt)
+    with Trainer(run, comm=comm) as trainer:
         resumed = {k: v.clone() for k, v in trainer.store.full_master().items()}
         trainer.run(steps - trainer.step, progress=False, handle_signals=False)
         trained = {k: v.clone() for k, v in trainer.store.full_master().items()}

@@ -7,10 +7,11 @@ import torch
 from megatrain.codegen import emit, load
 from megatrain.ir.trace import trace
 from megatrain.planner import InfeasiblePlanError, TrainSpec, hardware_preset, plan
-from megatrain.runtime.device import SimDevice, make_device
+from megatrain.runtime.device import make_device
 from megatrain.runtime.engine import Engine
 from megatrain.runtime.optim import lr_at
 from megatrain.runtime.store import HostStore
+from megatrain.runtime.stream_device import SimDevice
 
 MIB = 2**20
 

@@ -5,6 +5,7 @@ import pytest
 from runtime_schedules import make_token_files
 
 from megatrain.planner import TrainSpec, tune
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.trainer import Trainer
 
 SPEC = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", total_steps=3)
@@ -16,7 +17,7 @@ def data(tmp_path_factory):
 
 
 def test_the_budget_may_be_a_size_string_as_plan_takes_it(data):
-    with Trainer("tiny", SPEC, "6MiB", data=data[0], hardware="cpu") as t:
+    with Trainer(RunConfig(model="tiny", train=SPEC, gpu_mem="6MiB", data=data[0], hardware="cpu", device="sim")) as t:
         assert t.plan.gpu_budget_bytes == 6 * 2**20
 
 
@@ -24,28 +25,30 @@ def test_the_budget_may_be_a_size_string_as_plan_takes_it(data):
     ({"train": {"micro_batch": 2}}, "train must be a TrainSpec"),
     ({"checkpoint_every": "5"}, "checkpoint_every must be an integer"),
     ({"keep_checkpoints": 2.5}, "keep_checkpoints must be an integer"),
-    ({"gpu_budget_bytes": "6 XB"}, "cannot read '6 XB' as a byte size"),
+    ({"gpu_mem": "6 XB"}, "cannot read '6 XB' as a byte size"),
     ({"val_data": 5}, "val_data must be a path"),
     ({"checkpoint_dir": __file__, "checkpoint_every": 1}, "is a file, not a folder"),
     ({"host_policy": "int4"}, "unknown host policy 'int4'; use auto or one of exact"),
     ({"host_policy": None}, "host_policy must be 'auto' or a policy's name"),
 ])
 def test_bad_constructor_arguments(data, kw, message):
-    args = {"train": SPEC, "gpu_budget_bytes": "6MiB", **kw}
+    args = {"train": SPEC, "gpu_mem": "6MiB", **kw}
     with pytest.raises(ValueError, match=message):
-        Trainer("tiny", args.pop("train"), args.pop("gpu_budget_bytes"), data=data[0], hardware="cpu", **args)
+        Trainer(RunConfig(model="tiny", data=data[0], hardware="cpu", device="sim", **args))
 
 
 def test_a_host_policy_is_read_as_a_user_writes_it(data):
     """Case, surrounding spaces and underscores for hyphens: `BF16_Moments` is bf16-moments, ` AUTO ` auto."""
-    with Trainer("tiny", SPEC, "6MiB", data=data[0], hardware="cpu", host_policy="BF16_Moments") as t:
+    with Trainer(RunConfig(model="tiny", train=SPEC, gpu_mem="6MiB", data=data[0], hardware="cpu", device="sim",
+                           host_policy="BF16_Moments")) as t:
         assert t.host_policy == t.plan.host_policy == "bf16-moments"
-    with Trainer("tiny", SPEC, "6MiB", data=data[0], hardware="cpu", host_policy=" AUTO ") as t:
+    with Trainer(RunConfig(model="tiny", train=SPEC, gpu_mem="6MiB", data=data[0], hardware="cpu", device="sim",
+                           host_policy=" AUTO ")) as t:
         assert t.host_policy == "auto" and t.plan.host_policy == "exact"
 
 
 def test_run_arguments_are_checked_before_any_step_and_close_is_idempotent(data):
-    t = Trainer("tiny", SPEC, "6MiB", data=data[0], hardware="cpu")
+    t = Trainer(RunConfig(model="tiny", train=SPEC, gpu_mem="6MiB", data=data[0], hardware="cpu", device="sim"))
     for args, message in (((-1,), "steps must be an integer >= 0"), (("3",), "steps must be an integer"),
                           ((1.5,), "steps must be an integer"), ((True,), "steps must be an integer"),
                           ((1,), "log_every must be an integer >= 1")):

@@ -11,9 +11,9 @@ from megatrain.models import preset
 from megatrain.planner import TrainSpec
 from megatrain.planner.report import program_host_breakdown
 from megatrain.runtime import cast_kernel
-from megatrain.runtime.device import SimDevice
 from megatrain.runtime.engine import Engine
 from megatrain.runtime.store import HostStore
+from megatrain.runtime.stream_device import SimDevice
 
 TINY = preset("tiny")
 TRAIN = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="bf16", lr=2e-3, total_steps=3, clip_norm=1.0)

@@ -1,36 +1,28 @@
-"""Checkpoints, exact resume, integrity, export, NaN handling and the host-memory check, in process.
+"""Checkpoints, exact resume, integrity, folder ownership and export, in process.
 
-The kill tests (a real SIGKILL mid-step and mid-save) are in test_resume_kill.py. Trainers here share plans
-(tracing is the slow part), so the module runs in seconds on the tiny preset with the sim device.
+The kill tests (a real SIGKILL mid-step and mid-save) are in test_resume_kill.py; NaN handling and the host
+memory check in test_checkpoint_faults.py. Trainers here share plans (checkpoint_helpers.py), so the module
+runs in seconds on the tiny preset with the sim device.
 """
 
 import json
-import math
 import pickle
 import shutil
 
 import numpy as np
 import pytest
 import torch
+from checkpoint_helpers import SPEC, TINY, assert_same_state, make, snapshot
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from megatrain.cli import main
 from megatrain.ir.trace import trace
-from megatrain.models import ModelConfig, preset
+from megatrain.models import ModelConfig
 from megatrain.models.hf import hf_name
-from megatrain.planner import TrainSpec
-from megatrain.runtime import trainer as trainer_module
 from megatrain.runtime.checkpoint import CheckpointError, _raw, find_checkpoint, save_checkpoint, step_dirs
-from megatrain.runtime.engine import Engine
 from megatrain.runtime.export import export_weights
 from megatrain.runtime.store import HostStore
-from megatrain.runtime.trainer import HostMemoryError, NumericalFault, Trainer
-
-TINY = preset("tiny")
-BUDGET = 6 * 2**20
-SPEC = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", lr=3e-3, warmup_steps=1, total_steps=6)
-_PLANS: dict = {}
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +32,6 @@ def token_files(tmp_path_factory):
     return make_token_files(tmp_path_factory.mktemp("tokens"))
 
 
-def make(token_files, train=SPEC, model=TINY, data=None, **kw) -> Trainer:
-    """A Trainer on the tiny model, reusing the plan of an earlier one with the same settings."""
-    key = (model.model_dump_json(), train.to_json(), kw.get("on_nan", "abort"))
-    t = Trainer(model, train, BUDGET, data=data or token_files[0], the_plan=_PLANS.get(key), **kw)
-    _PLANS.setdefault(key, t.plan)
-    return t
-
-
-def snapshot(store: HostStore) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for unit in store.units for k, v in store.state_tensors(unit).items()}
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
 @pytest.fixture(scope="module")
 def saved(token_files, tmp_path_factory):
     """A checkpoint at step 2 of the tiny model, and the state it holds."""
@@ -65,21 +39,6 @@ def saved(token_files, tmp_path_factory):
     with make(token_files, checkpoint_dir=root, checkpoint_every=2) as t:
         t.run(2, progress=False)
         return root / "step-00000002", snapshot(t.store)
-
-
-@pytest.fixture()
-def nan_at(monkeypatch):
-    """Poison the gradients of `unit` in step `step` (1-based) as the device computes them."""
-    def arm(step: int, unit: str = "blocks.1") -> None:
-        original = Engine._write_grads
-
-        def poisoned(self, u, grad_slot, grads, accumulate):
-            original(self, u, grad_slot, grads, accumulate)
-            if self.step_index + 1 == step and u.name == unit:
-                self.bufs[f"grad{grad_slot}"][: u.flat_numel].fill_(float("nan"))
-
-        monkeypatch.setattr(Engine, "_write_grads", poisoned)
-    return arm
 
 
 def copy_ckpt(src, tmp_path):
@@ -333,78 +292,6 @@ def test_cli_resume_of_a_corrupt_checkpoint_is_one_line(token_files, saved, tmp_
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "blocks.2.safetensors" in err and "sha256" in err
     assert "--resume" in err and "previous checkpoint" not in err  # no earlier one to suggest here
-
-
-# -- NaN and inf --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("clip", [None, 1.0])
-def test_nan_skip_leaves_state_bit_identical_and_training_goes_on(token_files, tmp_path, nan_at, clip):
-    metrics = tmp_path / "m.jsonl"
-    with make(token_files, SPEC.replace(clip_norm=clip), on_nan="skip", metrics_path=metrics) as t:
-        t.run(2, progress=False)
-        before = snapshot(t.store)
-        nan_at(3)
-        t.run(1, progress=False)
-        assert_same_state(snapshot(t.store), before)  # not one unit stepped, not even the head
-        assert [e["step"] for e in t.events] == [3] and "blocks.1" not in t.events[0]["reason"]
-        records = t.run(2, progress=False)
-        after = snapshot(t.store)
-    assert all(math.isfinite(r["loss"]) for r in records)
-    assert all(torch.isfinite(v).all() for v in after.values())
-    assert not torch.equal(after["master/blocks.1.mlp.up_proj.weight"], before["master/blocks.1.mlp.up_proj.weight"])
-    assert after["step/head.norm.weight"] == before["step/head.norm.weight"] + 2  # AdamW's count skipped step 3
-    events = [json.loads(line) for line in metrics.read_text().splitlines() if "event" in line]
-    assert [(e["step"], e["event"]) for e in events] == [(3, "skipped")]
-
-
-@pytest.mark.parametrize("clip", [None, 1.0])
-def test_nan_abort_keeps_the_last_checkpoint_and_writes_none(token_files, tmp_path, nan_at, clip):
-    with make(token_files, SPEC.replace(clip_norm=clip), checkpoint_dir=tmp_path, checkpoint_every=2) as t:
-        t.run(2, progress=False)
-        at_two = snapshot(t.store)
-        nan_at(3)
-        with pytest.raises(NumericalFault, match=r"^step 3: the gradients .* not finite.*--on-nan abort") as info:
-            t.run(4, progress=False)
-        state = snapshot(t.store)
-    assert str(tmp_path / "step-00000002") in str(info.value)
-    assert [s for s, _ in step_dirs(tmp_path)] == [2]
-    assert all(torch.isfinite(v).all() for v in state.values())  # no NaN ever reaches the store
-    if clip:  # the barrier decides for the whole step before any unit steps
-        assert_same_state(state, at_two)
-    with make(token_files, SPEC.replace(clip_norm=clip), resume=tmp_path) as t:  # the checkpoint is intact
-        assert_same_state(snapshot(t.store), at_two)
-
-
-def test_nan_loss_aborts_naming_the_step(token_files):
-    with make(token_files) as t:
-        t.run(1, progress=False)
-        t.store.units["head"].master[: 128].fill_(float("nan"))  # the final norm's weight (its next load reads it)
-        with pytest.raises(NumericalFault, match=r"^step 2: the loss is nan"):
-            t.run(1, progress=False)
-
-
-def test_cli_nan_abort_and_skip(token_files, tmp_path, nan_at, capsys):
-    argv = ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "64",
-            "--micro-batch", "2", "--dtype", "fp32", "--steps", "4", "--data", str(token_files[0]), "--no-progress",
-            "--checkpoint-every", "2", "--checkpoint-dir", str(tmp_path / "ck")]
-    nan_at(3)
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: step 3: ") and err.count("\n") == 1 and "step-00000002" in err
-    assert main([*argv, "--on-nan", "skip", "--checkpoint-dir", str(tmp_path / "ck2")]) == 0
-    out, err = capsys.readouterr()
-    assert "1 step(s) skipped" in out and "step 3: " in err
-    assert [s for s, _ in step_dirs(tmp_path / "ck2")] == [2, 4]
-
-
-# -- host memory --------------------------------------------------------------------------------------------------
-def test_refuses_to_start_without_host_memory(token_files, monkeypatch, capsys):
-    monkeypatch.setattr(trainer_module, "available_host_bytes", lambda: 1_000_000)
-    with pytest.raises(HostMemoryError, match=r"needs .* MiB \(\d[\d,]+ bytes\) .* only 977 KiB \(1,000,000 bytes\)"):
-        make(token_files)
-    rc = main(["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "64",
-               "--steps", "1", "--data", str(token_files[0]), "--no-progress"])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and "1,000,000 bytes" in err
 
 
 # -- export -------------------------------------------------------------------------------------------------------

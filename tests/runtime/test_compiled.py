@@ -54,8 +54,9 @@ def test_a_depth_mixing_rebuild_runs_its_modes_eagerly():
     """DepthSSD rebuilding a carry-in: the record and rebuild calls run eagerly, the plain ones compiled."""
     from types import SimpleNamespace
 
+    from program_testing import program_for
+
     from megatrain.ir.trace import trace
-    from megatrain.planner.passes import program_for
     from megatrain.planner.schedule import Decisions
 
     config = ModelConfig(**{**TINY.model_dump(), "n_layers": 3, "depth_mixing": "depthssd:4"})
@@ -64,7 +65,7 @@ def test_a_depth_mixing_rebuild_runs_its_modes_eagerly():
     ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target="cpu")
     program = program_for(ir, train.grad_accum, Decisions(1, 1, ("device", "rebuild", "host", "keep", "device")),
                           clip=True)
-    assert any(i.rebuild for i in program.instrs if i.op == "backward")
+    assert any(i.source == "rebuild" for i in program.instrs if i.op == "backward")
     p = SimpleNamespace(ir=ir, program=program, train=train, gpu_budget_bytes=2**30)
     batches = make_batches(config, train, steps=2)
     model, eager_losses = eager_train(config, batches, train)

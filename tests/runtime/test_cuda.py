@@ -75,15 +75,16 @@ def test_repeated_cuda_runs_agree():
                 torch.testing.assert_close(again.named_master()[name], t, rtol=1e-6, atol=1e-7)
 
 
-def test_packed_attention_uses_one_varlen_call_and_equals_each_document_alone():
+@pytest.mark.parametrize("kv_heads", [4, 2])  # 2: grouped-query attention, K and V repeated for the varlen call
+def test_packed_attention_uses_one_varlen_call_and_equals_each_document_alone(kv_heads):
     """bf16 on CUDA: every document of a packed micro-batch in one varlen flash call, equal to the per-document
     causal calls (the CPU path) to bf16 round-off, values and gradients."""
     from megatrain.models import StepInputs, packing
-    from megatrain.models.transformer import packed_attention
+    from megatrain.models.layers import packed_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 96, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(2, heads, 96, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+               for heads in (4, kv_heads, kv_heads))
     positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in ([40, 56], [7, 9, 80])])
     packed = packing(positions, "cuda")
     fused = packed_attention(q, k, v, StepInputs(**packed))
@@ -204,7 +205,8 @@ def test_the_allocator_cap_holds_the_process_to_the_budget_and_close_lifts_it():
 
 
 def test_cuda_stream_workers_run_with_the_cpu_budget():
-    from megatrain.runtime.device import STREAMS, CudaDevice
+    from megatrain.runtime.device import CudaDevice
+    from megatrain.runtime.stream_device import STREAMS
 
     seen = {}
     with CudaDevice() as dev:
@@ -283,6 +285,7 @@ def test_moe_streams_on_cuda_like_eager():
 def test_trainer_checkpoint_and_resume_on_cuda(tmp_path):
     from runtime_schedules import make_token_files
 
+    from megatrain.runtime.config import RunConfig
     from megatrain.runtime.trainer import Trainer
 
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -291,11 +294,11 @@ def test_trainer_checkpoint_and_resume_on_cuda(tmp_path):
         train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="bf16", lr=2e-3, warmup_steps=1,
                           total_steps=4, clip_norm=1.0)
         run = dict(data=train_file, device="cuda", checkpoint_every=2)
-        with Trainer(TINY, train, 2 * 2**30, checkpoint_dir=tmp_path / "a", **run) as t:
+        with Trainer(RunConfig(model=TINY, train=train, gpu_mem=2 * 2**30, checkpoint_dir=tmp_path / "a", **run)) as t:
             whole = [r["loss"] for r in t.run(4, progress=False, handle_signals=False)]
             assert t.device.kind == "cuda" and t.plan.hardware.name != "cpu"
-        with Trainer(TINY, train, 2 * 2**30, checkpoint_dir=tmp_path / "b", resume=tmp_path / "a/step-00000002",
-                     **run) as t:
+        with Trainer(RunConfig(model=TINY, train=train, gpu_mem=2 * 2**30, checkpoint_dir=tmp_path / "b",
+                               resume=tmp_path / "a/step-00000002", **run)) as t:
             resumed = [r["loss"] for r in t.run(2, progress=False, handle_signals=False)]
         assert resumed == pytest.approx(whole[2:], rel=1e-6)
     finally:
@@ -306,6 +309,7 @@ def test_copies_overlap_compute_on_a_truncated_7b():
     """Two blocks of llama2-7b in bf16 under a budget that streams them: some h2d copy runs while compute
     does (CUDA event times), which is the point of the streams. On the fake CUDA backend (CPU memory holds
     the device's tensors too) the blocks are a quarter as wide, and the budget scales with them."""
+    from megatrain.runtime.config import RunConfig
     from megatrain.runtime.trainer import Trainer
 
     narrow = {"d_model": 1024, "ffn_dim": 2752, "vocab_size": 8000} if fake_cuda.installed() else {}
@@ -314,7 +318,7 @@ def test_copies_overlap_compute_on_a_truncated_7b():
     g = torch.Generator().manual_seed(0)
     batch = [(torch.randint(0, config.vocab_size, (1, 512), generator=g),) * 2 for _ in range(2)]
     budget = 2**30 + 5 * 2**30 // 16 if narrow else 6 * 2**30  # the profile reserves 1 GiB either way
-    with Trainer(config, train, budget, device="cuda") as t:
+    with Trainer(RunConfig(model=config, train=train, gpu_mem=budget, device="cuda")) as t:
         assert t.plan.n_slots < len(t.plan.ir.units)  # it streams
         t.train_step(batch)
         t.engine.start_timeline()

@@ -9,19 +9,17 @@ import numpy as np
 import pytest
 import torch
 
+from megatrain.cli.data import add_parser as add_prepare_parser
 from megatrain.runtime import corpus
+from megatrain.runtime.corpus import cached_default_corpus, default_corpus_files, prepare
 from megatrain.runtime.data import (
     DOC_END,
     Batcher,
     DataError,
     TokenFile,
-    add_prepare_parser,
-    cached_default_corpus,
     decode,
-    default_corpus_files,
     encode,
     eval_batches,
-    prepare,
     sidecar_path,
 )
 

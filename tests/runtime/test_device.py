@@ -8,14 +8,8 @@ import time
 import pytest
 import torch
 
-from megatrain.runtime.device import (
-    CudaDevice,
-    DeviceError,
-    DeviceOutOfMemory,
-    MemoryPool,
-    SimDevice,
-    make_device,
-)
+from megatrain.runtime.device import CudaDevice, make_device
+from megatrain.runtime.stream_device import DeviceError, DeviceOutOfMemory, MemoryPool, SimDevice
 
 CUDA = pytest.param(
     "cuda",
@@ -307,27 +301,35 @@ def test_a_failure_waits_for_queued_hardware_work_before_it_is_reported_and_clos
     assert dev.drains == 2
 
 
+def _validation_trainer(n_batches):
+    from megatrain.models import preset
+    from megatrain.planner import TrainSpec
+    from megatrain.runtime.config import RunConfig
+    from megatrain.runtime.trainer import Trainer
+
+    spec = TrainSpec(micro_batch=2, seq_len=32, grad_accum=1, dtype="fp32", total_steps=2)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g))
+               for _ in range(n_batches)]
+    return Trainer(RunConfig(model=preset("tiny"), train=spec, gpu_mem=64 * 2**20, device="sim")), batches
+
+
 def test_validation_runs_on_the_compute_stream(monkeypatch):
     """evaluate() submits its work to the compute stream (on CUDA: its stream and its pool), not the caller's."""
     from megatrain.runtime import engine as engine_mod
 
     seen = []
+    real = engine_mod.Engine._run
 
-    def fake(engine, batches):
+    def run(self, *args, **kwargs):
         seen.append(threading.current_thread().name)
-        return 1.5
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(engine_mod, "_evaluate", fake)
-
-    class _Engine:
-        templates = {}
-        comm = None
-
-    with SimDevice() as dev:
-        e = _Engine()
-        e.device = dev
-        assert engine_mod.evaluate(e, []) == 1.5
-    assert seen == ["megatrain-sim-compute"]
+    monkeypatch.setattr(engine_mod.Engine, "_run", run)
+    tr, batches = _validation_trainer(2)
+    with tr:
+        assert 3 < engine_mod.evaluate(tr.engine, batches) < 8
+    assert seen and set(seen) == {"megatrain-sim-compute"}
 
 
 @pytest.mark.parametrize("n_batches", [1, 5])
@@ -336,10 +338,7 @@ def test_validation_reads_the_device_once_whatever_the_batches(monkeypatch, n_ba
     stream): no float() or item() per batch. Counted on the compute stream, where evaluate's work runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatrain.models import preset
-    from megatrain.planner import TrainSpec
     from megatrain.runtime import engine as engine_mod
-    from megatrain.runtime.trainer import Trainer
 
     reads = []
 
@@ -349,17 +348,16 @@ def test_validation_reads_the_device_once_whatever_the_batches(monkeypatch, n_ba
                 reads.append(func)
             return func(*args, **(kwargs or {}))
 
-    real = engine_mod._evaluate
+    tr, batches = _validation_trainer(n_batches)
+    submit = tr.engine.device.submit
 
-    def counted(engine, batches):
-        with Reads():
-            return real(engine, batches)
+    def counted(stream, fn, label):
+        def run():
+            with Reads():
+                fn()
+        submit(stream, run if stream == "compute" else fn, label)
 
-    monkeypatch.setattr(engine_mod, "_evaluate", counted)
-    spec = TrainSpec(micro_batch=2, seq_len=32, grad_accum=1, dtype="fp32", total_steps=2)
-    g = torch.Generator().manual_seed(0)
-    batches = [(torch.randint(0, 256, (2, 32), generator=g), torch.randint(0, 256, (2, 32), generator=g))
-               for _ in range(n_batches)]
-    with Trainer(preset("tiny"), spec, 64 * 2**20, device="sim") as tr:
+    with tr:
+        monkeypatch.setattr(tr.engine.device, "submit", counted)
         loss = engine_mod.evaluate(tr.engine, batches)
     assert len(reads) == 1 and 3 < loss < 8, (reads, loss)

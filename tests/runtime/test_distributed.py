@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,9 +146,10 @@ def test_four_ranks_train_as_one(tmp_path, case, grad_accum):
 
 # -- failures ----------------------------------------------------------------------------------------------------
 def _train_argv(tmp_path, *extra) -> list[str]:
-    return [sys.executable, "-m", "megatrain", "train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB",
-            "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--dtype", "fp32", "--steps", "6",
-            "--no-progress", "--dist-timeout", "20", *extra]
+    """`megatrain train` through paused_train.py, which pauses where MEGATRAIN_TEST_PAUSE_AT says."""
+    return [sys.executable, str(Path(__file__).with_name("paused_train.py")), "train", "--model", "tiny", "--device",
+            "sim", "--gpu-mem", "6MiB", "--seq-len", "64", "--micro-batch", "2", "--grad-accum", "2", "--dtype", "fp32",
+            "--steps", "6", "--no-progress", "--dist-timeout", "20", *extra]
 
 
 def _ranks(argv, tmp_path, pause_rank1: str | None = None, argv1=None) -> list[subprocess.Popen]:
@@ -232,7 +234,7 @@ def test_a_rank_killed_while_saving_loses_no_checkpoint(tmp_path):
     assert sorted(p.name for p in ckpt.iterdir() if not p.name.startswith(".")) == ["step-00000002"]
     manifest = json.loads((ckpt / "step-00000002" / "manifest.json").read_text())
     assert manifest["step"] == 2 and all((ckpt / "step-00000002" / f).is_file() for f in manifest["files"])
-    out = _torchrun(2, [*argv[3:], "--resume", str(ckpt)], tmp_path)
+    out = _torchrun(2, [*argv[2:], "--resume", str(ckpt)], tmp_path)
     assert "resumed from" in out and (ckpt / "step-00000006" / "manifest.json").is_file()
 
 

@@ -140,8 +140,9 @@ def test_depthssd_rebuild_schedules(slots, placement):
     within 1e-7 (5e-5 of an update)."""
     from types import SimpleNamespace
 
+    from program_testing import program_for
+
     from megatrain.ir.trace import trace
-    from megatrain.planner.passes import program_for
     from megatrain.planner.schedule import Decisions
     from megatrain.planner.timeline import peak_buffer_bytes
 
@@ -150,7 +151,7 @@ def test_depthssd_rebuild_schedules(slots, placement):
                       total_steps=3, weight_decay=0.1, clip_norm=1.0)
     ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target="cpu")
     program = program_for(ir, train.grad_accum, Decisions(slots, 1, placement), clip=True)
-    assert sum(i.rebuild for i in program.instrs if i.op == "backward") == 2 * placement.count("rebuild")
+    assert sum(i.source == "rebuild" for i in program.instrs if i.op == "backward") == 2 * placement.count("rebuild")
     p = SimpleNamespace(ir=ir, program=program, train=train, gpu_budget_bytes=2**30)
     batches = make_batches(config, train, steps=3)
     model, eager_losses = eager_train(config, batches, train)
@@ -184,8 +185,9 @@ def test_one_slot_reload_schedules(placement):
     the saved graph still points into the slot the reload overwrites with the same weights."""
     from types import SimpleNamespace
 
+    from program_testing import program_for
+
     from megatrain.ir.trace import trace
-    from megatrain.planner.passes import program_for
     from megatrain.planner.schedule import Decisions
 
     train = _train(2, 1.0)
@@ -202,7 +204,7 @@ def test_one_slot_reload_schedules(placement):
 def test_recomputes_leave_the_down_projection_unevaluated(monkeypatch):
     """Guard against a vacuous pass: in a schedule that recomputes, every recomputed block's backward ran
     its down projection unevaluated (megatrain/models/unevaluated.py), and the run still equals eager bit for bit."""
-    from megatrain.models import transformer
+    from megatrain.models import layers as transformer
 
     entered = []
 
@@ -238,9 +240,10 @@ def test_attention_replay_schedules(variant, chunk, monkeypatch):
     replayed (and ran no attention of its own), and the pool's peak equals the plan's (bounds it, MoE)."""
     from types import SimpleNamespace
 
+    from program_testing import program_for
+
     from megatrain.ir.trace import trace
     from megatrain.models import replay
-    from megatrain.planner.passes import program_for
     from megatrain.planner.schedule import Decisions
     from megatrain.planner.timeline import peak_buffer_bytes
 
@@ -254,7 +257,7 @@ def test_attention_replay_schedules(variant, chunk, monkeypatch):
     decisions = Decisions(1, 1, tuple(p for p, _ in states), replay=tuple(r for _, r in states))
     program = program_for(ir, train.grad_accum, decisions, clip=True)
     replaying = sum(r for _, r in states)
-    assert sum(i.replay for i in program.instrs if i.op == "backward") == replaying * train.grad_accum
+    assert sum(i.source == "replay" for i in program.instrs if i.op == "backward") == replaying * train.grad_accum
     calls = []
 
     class Counting(replay._Replaying):
@@ -279,8 +282,9 @@ def test_a_kernel_other_than_the_traced_one_falls_back_to_recompute():
     equals eager bit for bit and the pool's peak is the plan's."""
     from types import SimpleNamespace
 
+    from program_testing import program_for
+
     from megatrain.ir.trace import trace
-    from megatrain.planner.passes import program_for
     from megatrain.planner.schedule import Decisions
     from megatrain.planner.timeline import peak_buffer_bytes
 

@@ -9,6 +9,7 @@ from runtime_schedules import make_token_files
 
 from megatrain.models import preset
 from megatrain.planner import TrainSpec
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.reference import EagerTrainer
 from megatrain.runtime.store import HostStore
 from megatrain.runtime.trainer import Trainer
@@ -29,7 +30,8 @@ def test_the_logged_grad_norm_is_the_steps_own_when_the_host_stream_lags(tmp_pat
     monkeypatch.setattr(HostStore, "clip_grads", late_clip)
     train = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="fp32", lr=3e-3, warmup_steps=1,
                       total_steps=6, clip_norm=0.5)
-    with Trainer(TINY, train, 6 * 2**20, data=train_file, delays=(0.0, 0.001)) as t:
+    with Trainer(RunConfig(model=TINY, train=train, gpu_mem=6 * 2**20, data=train_file, device="sim"),
+                 delays=(0.0, 0.001)) as t:
         records = t.run(6, progress=False, handle_signals=False)
         batches = [t.batcher.batch(s) for s in range(6)]
 
@@ -47,8 +49,8 @@ def test_the_logged_grad_norm_is_the_steps_own_when_the_host_stream_lags(tmp_pat
 def test_grad_norm_of_a_failed_device_raises_instead_of_waiting():
     from runtime_schedules import plans_by_shape
 
-    from megatrain.runtime.device import DeviceError, SimDevice
     from megatrain.runtime.engine import Engine
+    from megatrain.runtime.stream_device import DeviceError, SimDevice
 
     train = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", total_steps=2, clip_norm=1.0)
     p = next(iter(plans_by_shape(TINY, train, budgets_mib=(64,)).values()))
@@ -105,7 +107,7 @@ def test_on_a_gpu_the_host_optimizer_gets_the_cores_the_issuing_threads_leave(co
 
 def test_each_stream_worker_runs_with_its_budgeted_intra_op_threads(monkeypatch):
     from megatrain.runtime.cpus import CpuBudget
-    from megatrain.runtime.device import STREAMS, SimDevice
+    from megatrain.runtime.stream_device import STREAMS, SimDevice
 
     budget = CpuBudget(cores=(0, 1), threads={"compute": 2, "h2d": 1, "d2h": 1, "comm": 1, "host": 1})
     seen = {}
@@ -120,7 +122,7 @@ def test_starting_a_device_leaves_the_callers_and_new_threads_intra_op_count_alo
     import threading
 
     from megatrain.runtime.cpus import CpuBudget, resolve
-    from megatrain.runtime.device import SimDevice
+    from megatrain.runtime.stream_device import SimDevice
 
     before = torch.get_num_threads()
     assert resolve("sim").threads["compute"] == before  # the eager reference's reduction order
@@ -166,14 +168,14 @@ def test_records_compare_measured_memory_with_the_plan_like_with_like(tmp_path, 
     the reserve too (here a sim device under an h200 profile, its kind read as cuda's for the plan side)."""
     import math
 
-    from megatrain.runtime.device import SimDevice
+    from megatrain.runtime.stream_device import SimDevice
 
     limits = []
     monkeypatch.setattr(SimDevice, "limit_allocator", lambda self, n: limits.append(n))
     train_file, _ = make_token_files(tmp_path)
     train = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", total_steps=2)
     budget = 2 * 2**30
-    with Trainer(TINY, train, budget, hardware="h200", data=train_file) as t:
+    with Trainer(RunConfig(model=TINY, train=train, gpu_mem=budget, hardware="h200", data=train_file, device="sim")) as t:
         hw = t.plan.hardware
         assert limits == [budget - hw.reserved_bytes] and hw.reserved_bytes > 0
         rec = t.run(1, progress=False, handle_signals=False)[0]
@@ -195,8 +197,9 @@ def test_events_the_cpu_waits_on_are_blocking(monkeypatch):
     import threading
     from types import SimpleNamespace
 
-    from megatrain.runtime.device import CudaDevice, SimDevice
+    from megatrain.runtime.device import CudaDevice
     from megatrain.runtime.staging import Staging
+    from megatrain.runtime.stream_device import SimDevice
 
     made = []
 

@@ -267,6 +267,10 @@ BAD = [
     ({"logit_scale": 0.5}, "logit_scale: unknown field"),
     ({"hidden_size": "4096"}, "hidden_size: required integer field is '4096'"),
     ({"num_attention_heads": 7}, "n_heads=7 must divide d_model=4096"),
+    # a string is no boolean: "false" in quotes would read as true (issue 41)
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings: expected true or false, got 'false'"),
+    ({"attention_bias": "false"}, "attention_bias: expected true or false, got 'false'"),
+    ({"use_mrope": 0}, "use_mrope: expected true or false, got 0"),
 ]
 
 

@@ -9,13 +9,15 @@ tests/runtime/test_exactness.py (it runs whichever path this machine uses).
 import os
 import shutil
 
+import kernel_checks
 import pytest
 import torch
 
 from megatrain.planner.host_policy import FP8_BLOCK, POLICIES
 from megatrain.planner.train import TrainSpec
-from megatrain.runtime import host_kernel, host_state
-from megatrain.runtime.host_state import adamw_step, grad_dtype, new_moments
+from megatrain.runtime import host_adamw, host_kernel, host_state
+from megatrain.runtime.host_adamw import grad_dtype, new_moments
+from megatrain.runtime.host_state import adamw_step
 
 CAPABLE = torch.backends.cpu.get_cpu_capability() in host_kernel.LANES
 CAN_BUILD = shutil.which("cc") is not None and CAPABLE
@@ -221,7 +223,7 @@ def test_the_vector_fp8_conversions_agree_with_c10s_on_every_input():
     machine, shared between the cores), and the few past 448 that a block's largest value times its quantiser
     can give."""
     assert host_kernel.available(), host_kernel.why_not()
-    bad = host_kernel.fp8_check(1)
+    bad = kernel_checks.fp8_check(1)
     if bad < 0:
         pytest.skip("this machine's build has no AVX-512 fp8 path")
     assert bad == 0
@@ -247,8 +249,8 @@ def test_a_build_for_another_cpu_gives_the_same_bits(target, fresh_kernel, monke
     monkeypatch.setattr(host_kernel, "FLAGS", [f"-march={target}" if f == "-march=native" else f
                                                for f in host_kernel.FLAGS])
     assert host_kernel.available(), host_kernel.why_not()
-    assert host_kernel.bf16_check(1) == -1  # neither target has AVX512_BF16: the compiler's loop is the one tested
-    assert host_kernel.fp8_check(97) == (0 if target == "skylake-avx512" else -1)
+    assert kernel_checks.bf16_check(1) == -1  # neither target has AVX512_BF16: the compiler's loop is the one tested
+    assert kernel_checks.fp8_check(97) == (0 if target == "skylake-avx512" else -1)
     shapes = [(7,), (FP8_BLOCK - 1,), (FP8_BLOCK + 9,), (33, 31), (5 * FP8_BLOCK + 23,)]
     clips = [None, torch.tensor(0.31), None, torch.tensor(0.07)]
     for policy in POLICIES:
@@ -263,23 +265,23 @@ def test_the_vector_bf16_rounding_agrees_with_c10s_on_every_input():
     """host_kernel.c's bf16 moments rounded by vcvtneps2bf16 (which flushes subnormals and keeps NaN payloads)
     or, for a vector holding a subnormal or a NaN, element by element: c10's bits on all 2^32 fp32 (a few s)."""
     assert host_kernel.available(), host_kernel.why_not()
-    bad = host_kernel.bf16_check(1)
+    bad = kernel_checks.bf16_check(1)
     if bad < 0:
         pytest.skip("this machine's build has no AVX512_BF16 path")
     assert bad == 0
 
 
 def test_fp8_blocks_are_multiplied_by_448_over_their_amax():
-    """host_state._quantiser: 448 / amax rounded once, at most FLT_MAX (zero and tiny amaxes: the block's values
+    """host_adamw._quantiser: 448 / amax rounded once, at most FLT_MAX (zero and tiny amaxes: the block's values
     times it stay within +-448), and for a non-finite block the reciprocal of the division it had (inf: 0, NaN:
     1). The kernel computes the same (the tests above compare the bits)."""
     gen = torch.Generator().manual_seed(0)
     amax = torch.rand(4000, generator=gen) * 10.0 ** torch.randint(-44, 38, (4000,), generator=gen).float()
-    r = host_state._quantiser(amax)
+    r = host_adamw._quantiser(amax)
     biggest = torch.finfo(torch.float32).max
     assert torch.equal(r, (448 / amax.double()).clamp(max=biggest).float())  # one rounding (double's is exact)
     assert (amax * r <= 448 * (1 + 2**-23)).all() and (r < biggest).sum() > 3000 and (r == biggest).sum() > 100
-    special = host_state._quantiser(torch.tensor([0.0, float("inf"), float("nan")]))
+    special = host_adamw._quantiser(torch.tensor([0.0, float("inf"), float("nan")]))
     assert special.tolist()[:2] == [torch.finfo(torch.float32).max, 0.0] and special[2] == 1.0
 
 
@@ -318,9 +320,9 @@ def test_the_check_catches_a_kernel_whose_bits_differ(fresh_kernel):
     right = host_kernel._state["lanes"]
     for wrong in (4, 16):
         host_kernel._state["lanes"] = wrong
-        assert host_state.self_check().startswith("policy exact"), wrong
+        assert host_kernel.self_check().startswith("policy exact"), wrong
     host_kernel._state["lanes"] = right
-    assert host_state.self_check() == ""
+    assert host_kernel.self_check() == ""
 
 
 @pytest.mark.skipif(not CAPABLE, reason="torch not vectorised for AVX2/AVX-512: the capability is the reason")
@@ -410,7 +412,7 @@ def test_the_cast_gives_torchs_bits_on_special_and_random_values():
     from megatrain.runtime import cast_kernel
 
     assert cast_kernel.available(), cast_kernel.why_not()
-    special = cast_kernel.special_values()
+    special = host_kernel.special_values()
     assert torch.isnan(special).sum() == 8 and (special.view(torch.int32) & 0x7F800000 == 0).sum() > 8
     gen = torch.Generator().manual_seed(7)
     noise = torch.randint(-2**31, 2**31, (1 << 22,), dtype=torch.int64, generator=gen).to(torch.int32)
@@ -448,7 +450,7 @@ def test_the_vector_cast_agrees_with_its_element_function():
     from megatrain.runtime import cast_kernel
 
     assert cast_kernel.available(), cast_kernel.why_not()
-    assert cast_kernel.vector_check(31) in (0, -1)
+    assert kernel_checks.vector_check(31) in (0, -1)
 
 
 @pytest.mark.skipif(not CAN_BUILD, reason="needs a C compiler and torch vectorised for AVX2/AVX-512")
@@ -479,7 +481,7 @@ def test_the_cast_without_the_kernel_is_torchs_copy(fresh_kernel, monkeypatch):
 
     monkeypatch.setenv("MEGATRAIN_HOST_KERNEL", "0")
     assert not cast_kernel.available() and cast_kernel.why_not() == "MEGATRAIN_HOST_KERNEL=0"
-    x = torch.cat([torch.randn(1000), cast_kernel.special_values()])
+    x = torch.cat([torch.randn(1000), host_kernel.special_values()])
     out = torch.empty(x.numel(), dtype=torch.bfloat16)
     cast_kernel.cast(x, out)
     assert torch.equal(out.view(torch.int16), _torch_bits(x))

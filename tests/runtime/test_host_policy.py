@@ -1,6 +1,6 @@
 """Host policies at run time: streamed training under each policy equals eager training under it bit for bit,
 the host bytes allocated equal the plan's, and the pieces (fp8 blocks, the clip factor) do what
-megatrain/runtime/host_state.py says.
+megatrain/runtime/host_adamw.py says.
 
 The streamed side is the host store on the sim device; the eager side is reference.PolicyAdamW, the same
 host_state.adamw_step on the eager model's parameters. `exact` against torch.optim.AdamW is
@@ -20,12 +20,13 @@ from megatrain.ir.trace import trace
 from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec, hardware_preset, plan
 from megatrain.planner.host_policy import FP8_BLOCK, POLICIES
-from megatrain.runtime import host_state
-from megatrain.runtime.device import SimDevice
+from megatrain.runtime import host_adamw, host_state
 from megatrain.runtime.engine import Engine
-from megatrain.runtime.host_state import Moments, adamw_step, new_moments
+from megatrain.runtime.host_adamw import Moments, new_moments
+from megatrain.runtime.host_state import adamw_step
 from megatrain.runtime.reference import eager_train
 from megatrain.runtime.store import HostStore
+from megatrain.runtime.stream_device import SimDevice
 
 TINY = preset("tiny")
 COMPRESSED = [n for n in POLICIES if n != "exact"]
@@ -189,17 +190,17 @@ def test_fp8_blocks_round_trip_and_floor():
     x = torch.randn(n) * torch.logspace(-3, 0, n)
     x[FP8_BLOCK : 2 * FP8_BLOCK] = 0.0
     q, scale = torch.empty(n, dtype=torch.float8_e4m3fn), torch.empty(4)
-    host_state._quant(x.clone(), q, scale)
+    host_adamw._quant(x.clone(), q, scale)
     assert scale[1] == 0 and (scale[[0, 2, 3]] > 0).all()
     back = torch.empty(n)
-    host_state._dequant(q, scale, back, floor=False)
+    host_adamw._dequant(q, scale, back, floor=False)
     big = x.abs() >= torch.repeat_interleave(scale, FP8_BLOCK)[:n] * 2**-6  # normal fp8 range
     assert big.sum() > n // 2
     torch.testing.assert_close(back[big], x[big], rtol=1 / 16, atol=0)
     assert (back[FP8_BLOCK : 2 * FP8_BLOCK] == 0).all()
     sq = x.square()
-    host_state._quant(sq.clone(), q, scale)
-    host_state._dequant(q, scale, back, floor=True)
+    host_adamw._quant(sq.clone(), q, scale)
+    host_adamw._dequant(q, scale, back, floor=True)
     nonzero = torch.repeat_interleave(scale, FP8_BLOCK)[:n] > 0
     assert (back[nonzero] > 0).all() and (back[~nonzero] == 0).all()
 
@@ -217,7 +218,7 @@ def _fp32(x: Fraction) -> np.float32:
 
 @pytest.mark.parametrize("wd", [0.0, 0.1])
 def test_fp8_weight_update_is_its_formula_in_fp32(wd):
-    """fp8's weight update from its updated moments (host_state._fp8_update, host_kernel.c FP8_UPDATE) against
+    """fp8's weight update from its updated moments (host_adamw._fp8_update, host_kernel.c FP8_UPDATE) against
     its formula in exact rationals, each operation rounded once to fp32: den = fma(sqrt(v), 1 / sqrt(bc2), eps),
     p' = fma(p, 1 - lr wd, ((-lr / bc1) m) / den), on sizes with vector bodies and tails, v from subnormal to
     large; the square root is numpy's (IEEE, correctly rounded), the fused multiply-adds are Fractions."""
@@ -237,12 +238,12 @@ def test_fp8_weight_update_is_its_formula_in_fp32(wd):
             u = _fp32(Fraction(float(_fp32(Fraction(mi) * step_size))) / Fraction(float(den)))
             want.append(_fp32(Fraction(pi) * decay + Fraction(float(u))))
         want = np.array(want, dtype=np.float32)
-        host_state._fp8_update(p, m, v, torch.empty(n), torch.empty(n), cfg, lr, wd, step)
+        host_adamw._fp8_update(p, m, v, torch.empty(n), torch.empty(n), cfg, lr, wd, step)
         assert np.array_equal(p.numpy().view(np.uint32), want.view(np.uint32)), n
 
 
 def test_fma32_is_one_rounding():
-    """host_state._fma32 against exact rationals where fp64 alone rounds twice: products whose sum lands
+    """host_adamw._fma32 against exact rationals where fp64 alone rounds twice: products whose sum lands
     within an fp64 ulp of an fp32 midpoint, cancellations, signed zeros and non-finite operands."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal(4000).astype(np.float32)
@@ -258,12 +259,12 @@ def test_fma32_is_one_rounding():
     c[-k:] = odd * rng.choice([-1, 1], k).astype(np.float32)
     a[-k:] = np.float32(2**-24 * (1 + 2**-18)) * np.sign(c[-k:])
     out = np.empty_like(a)
-    host_state._fma32(a, float(b), c, out)
+    host_adamw._fma32(a, float(b), c, out)
     want = [_fp32(Fraction(x) * Fraction(float(b)) + Fraction(y)) for x, y in zip(a.tolist(), c.tolist())]
     assert np.array_equal(out.view(np.uint32), np.array(want, dtype=np.float32).view(np.uint32))
     special = np.array([0.0, -0.0, np.inf, np.nan, 1.0], dtype=np.float32)
     out = np.empty(5, dtype=np.float32)
-    host_state._fma32(special, -1.0, np.array([0.0, -0.0, 1.0, 1.0, -1.0], dtype=np.float32), out)
+    host_adamw._fma32(special, -1.0, np.array([0.0, -0.0, 1.0, 1.0, -1.0], dtype=np.float32), out)
     assert out[0] == 0 and not np.signbit(out[0]) and out[1] == 0 and not np.signbit(out[1])  # -0 + 0, +0 + -0
     assert out[2] == -np.inf and np.isnan(out[3]) and out[4] == -2
 
@@ -274,18 +275,18 @@ def test_step_does_not_depend_on_the_chunk_size(policy, monkeypatch):
     cfg = TrainSpec(micro_batch=1, seq_len=8, lr=1e-2, clip_norm=1.0)
 
     def run(chunk):
-        monkeypatch.setattr(host_state, "STEP_CHUNK", chunk)
+        monkeypatch.setattr(host_adamw, "STEP_CHUNK", chunk)
         torch.manual_seed(0)
         shapes = [(700, 5), (33,), (4 * FP8_BLOCK,)]
         params = [torch.randn(s) for s in shapes]
         moments = [new_moments(policy, s) for s in shapes]
         steps = [torch.zeros(()) for _ in shapes]
         for _ in range(3):
-            grads = [torch.randn(s).to(host_state.grad_dtype(policy)) for s in shapes]
+            grads = [torch.randn(s).to(host_adamw.grad_dtype(policy)) for s in shapes]
             adamw_step(policy, params, grads, moments, steps, cfg, 1e-2, [True, False, True], torch.tensor(0.3))
         return params, moments, steps
 
-    a, b = run(host_state.STEP_CHUNK), run(2 * FP8_BLOCK)
+    a, b = run(host_adamw.STEP_CHUNK), run(2 * FP8_BLOCK)
     for x, y in zip(a[0], b[0]):
         assert torch.equal(x, y)
     for m, n in zip(a[1], b[1]):
@@ -307,7 +308,7 @@ def test_grad_scale_divides_so_exact_keeps_the_multiply():
         return [p0.clone()], [Moments(torch.zeros(n), torch.zeros(n))], [torch.zeros(())]
 
     params, moms, steps = fresh()
-    host_state._fused(params, [g * c], [moms[0].exp_avg], [moms[0].exp_avg_sq], steps, cfg, 1e-2, 0.1)
+    host_adamw._fused(params, [g * c], [moms[0].exp_avg], [moms[0].exp_avg_sq], steps, cfg, 1e-2, 0.1)
     clipped_first = params[0]
     params, moms, steps = fresh()
     functional_adamw(params, [g.clone()], [moms[0].exp_avg], [moms[0].exp_avg_sq], [], steps, fused=True,
@@ -334,7 +335,7 @@ def test_every_policy_clips_as_clip_grad_norm_multiplies(policy, one_pass):
     torch.manual_seed(0)
     shapes = [(3 * FP8_BLOCK + 77,), (64, 33)]
     p0 = [torch.randn(s) for s in shapes]
-    g = [torch.randn(s).to(host_state.grad_dtype(policy)) for s in shapes]
+    g = [torch.randn(s).to(host_adamw.grad_dtype(policy)) for s in shapes]
     c = torch.tensor(0.37)
 
     def stepped(grads, clip):
@@ -364,10 +365,12 @@ def token_files(tmp_path_factory):
 
 
 def _trainer(token_files, policy, **kw):
+    from megatrain.runtime.config import RunConfig
     from megatrain.runtime.trainer import Trainer
 
     spec = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", lr=3e-3, warmup_steps=1, total_steps=4, clip_norm=1.0)
-    return Trainer(TINY, spec, 6 * 2**20, data=token_files[0], host_policy=policy, **kw)
+    return Trainer(RunConfig(model=TINY, train=spec, gpu_mem=6 * 2**20, data=token_files[0], host_policy=policy,
+                             device="sim", **kw))
 
 
 def _state(store):
@@ -390,7 +393,7 @@ def test_checkpoints_save_and_resume_each_policy_exactly(token_files, tmp_path, 
     ckpt = tmp_path / "step-00000002"
     with safe_open(ckpt / "blocks.0.safetensors", "pt") as f:
         name = "blocks.0.mlp.up_proj.weight"
-        assert f.get_tensor(f"exp_avg/{name}").dtype == host_state.moment_dtype(policy)
+        assert f.get_tensor(f"exp_avg/{name}").dtype == host_adamw.moment_dtype(policy)
         assert (f"exp_avg_scale/{name}" in f.keys()) == (policy == "fp8")
     with pytest.raises(CheckpointError, match=rf"under host policy '{policy}', this run under 'exact'.*"
                        rf"--host-policy {policy}") as e:

@@ -9,12 +9,12 @@ sim device exactly the buffer peak it predicts, far below what the untiled units
 from types import SimpleNamespace
 
 import pytest
+from program_testing import program_for
 from runtime_schedules import MIB, make_batches, streamed_train
 
 from megatrain.ir.trace import trace
 from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec, hardware_preset, plan
-from megatrain.planner.passes import program_for
 from megatrain.planner.placement import exact_timeline, minimal
 from megatrain.planner.schedule import Decisions
 from megatrain.planner.timeline import peak_buffer_bytes

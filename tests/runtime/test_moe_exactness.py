@@ -19,6 +19,7 @@ from runtime_schedules import make_batches, make_token_files, placements_of, pla
 
 from megatrain.models import ModelConfig, preset
 from megatrain.planner import TrainSpec
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.export import export_weights
 from megatrain.runtime.reference import EagerTrainer
 from megatrain.runtime.trainer import Trainer
@@ -105,7 +106,8 @@ def token_files(tmp_path_factory):
 
 
 def make(token_files, **kw) -> Trainer:
-    t = Trainer(ET, SPEC, BUDGET, data=token_files[0], val_data=token_files[1], the_plan=_PLANS.get("et"), **kw)
+    t = Trainer(RunConfig(model=ET, train=SPEC, gpu_mem=BUDGET, device="sim", data=token_files[0],
+                          val_data=token_files[1], **kw), plan=_PLANS.get("et"))
     _PLANS.setdefault("et", t.plan)
     return t
 
@@ -115,7 +117,7 @@ def snapshot(store) -> dict[str, torch.Tensor]:
 
 
 def test_trainer_logs_routing_metrics(token_files, tmp_path):
-    with make(token_files, metrics_path=tmp_path / "m.jsonl") as t:
+    with make(token_files, metrics=tmp_path / "m.jsonl") as t:
         t.run(2, eval_every=2, progress=False)
     recs = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert len(recs) == 2 and recs[-1]["val_loss"] > 0

@@ -9,14 +9,9 @@ from megatrain.cli import main
 from megatrain.ir.trace import trace
 from megatrain.models import init_weights, preset
 from megatrain.planner import TrainSpec
-from megatrain.runtime.checkpoint import (
-    CheckpointError,
-    find_checkpoint,
-    read_manifest,
-    read_masters,
-    save_checkpoint,
-)
+from megatrain.runtime.checkpoint import CheckpointError, find_checkpoint, read_manifest, save_checkpoint
 from megatrain.runtime.host_state import update_bound
+from megatrain.runtime.sharded_checkpoint import read_masters
 from megatrain.runtime.store import HostStore
 
 TINY = preset("tiny")

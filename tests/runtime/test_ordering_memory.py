@@ -12,7 +12,7 @@ from runtime_schedules import MIB, make_batches, plans_by_shape, streamed_train
 
 from megatrain.models import preset
 from megatrain.planner import TrainSpec
-from megatrain.runtime.device import DeviceError, DeviceOutOfMemory
+from megatrain.runtime.stream_device import DeviceError, DeviceOutOfMemory
 
 TINY = preset("tiny")
 TRAIN = TrainSpec(micro_batch=2, seq_len=64, grad_accum=2, dtype="fp32", lr=1e-3, clip_norm=1.0, total_steps=3)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 from megatrain.runtime.checkpoint import read_manifest, step_dirs
 
 TIMEOUT_S = 240
+PAUSED = str(Path(__file__).with_name("paused_train.py"))  # megatrain with the test pause
 STEPS = 24  # long enough that a signal sent after step 2 finds the run mid-training on a loaded machine (with 8,
 # a run could finish and be exiting, where the interpreter's default disposition ends it at once: -2, no message)
 
@@ -41,7 +43,7 @@ def start(args, tmp_path, pause=None):
     env.pop("MEGATRAIN_TEST_PAUSE_AT", None)
     if pause:
         env["MEGATRAIN_TEST_PAUSE_AT"] = pause
-    return subprocess.Popen([sys.executable, "-m", "megatrain.cli", *args], env=env, text=True,
+    return subprocess.Popen([sys.executable, PAUSED, *args], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 

@@ -5,8 +5,8 @@ units have (so the weights in memory are half updated); another is killed while 
 its first file. Each resumes (`--resume DIR`) from the last complete checkpoint and ends with a step-6
 checkpoint whose every tensor, and so every file's sha256, equals an uninterrupted run's.
 
-The kill points come from the trainer's test hook MEGATRAIN_TEST_PAUSE_AT (megatrain/runtime/trainer.py): the process
-prints `megatrain-test: paused at ...` and sleeps there until this test kills it. The two scenarios run side
+The kill points come from MEGATRAIN_TEST_PAUSE_AT, which paused_train.py (megatrain train with a pause installed)
+reads: the process prints `megatrain-test: paused at ...` and sleeps there until this test kills it. The two scenarios run side
 by side with the uninterrupted run (each process mostly imports and traces) to keep the test near 25 s
 on 2 cores.
 """
@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 from megatrain.runtime.checkpoint import step_dirs
 
 TIMEOUT_S = 240
+PAUSED = str(Path(__file__).with_name("paused_train.py"))  # megatrain with the test pause
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ class Run:
         env.pop("MEGATRAIN_TEST_PAUSE_AT", None)
         if pause:
             env["MEGATRAIN_TEST_PAUSE_AT"] = pause
-        self.proc = subprocess.Popen([sys.executable, "-m", "megatrain.cli", *args], env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, PAUSED, *args], env=env, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.lines: queue.Queue = queue.Queue()
         self.err: list[str] = []

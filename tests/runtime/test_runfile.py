@@ -1,12 +1,15 @@
 """`megatrain train --config run.toml`: every setting in a file, flags override it, the effective settings
 printed at start and saved in every checkpoint manifest."""
 
+import json
 import os
 
 import pytest
 
 from megatrain.cli import main
 from megatrain.runtime.checkpoint import find_checkpoint, read_manifest
+from megatrain.runtime.config import RunConfig
+from megatrain.runtime.runfile import read_run_file
 
 RUN = """
 model = "tiny"
@@ -52,6 +55,26 @@ def test_run_file_settings_flags_override_and_the_manifest_keeps_them(tmp_path, 
     assert manifest["train"]["lr"] == 0.001  # the flag won over the file
 
 
+def test_the_printed_and_stored_settings_are_a_run_file_of_the_same_run(tmp_path, data, capsys):
+    """What a run prints, what its manifest stores and what a run file holds are one value: the stored settings
+    (profile included) written as TOML load back into an equal RunConfig, and the CLI runs from them."""
+    ck = tmp_path / "ck"
+    assert main(["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "64",
+                 "--micro-batch", "2", "--dtype", "fp32", "--steps", "2", "--data", str(data), "--no-progress",
+                 "--checkpoint-every", "2", "--checkpoint-dir", str(ck)]) == 0
+    printed = capsys.readouterr().out.splitlines()[0]
+    stored = read_manifest(find_checkpoint(ck))["settings"]
+    assert stored["profile"] == "auto" and stored["gpu-mem"] == "6MiB"
+    assert printed == "settings: " + ", ".join(
+        f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in stored.items())
+    run = tmp_path / "again.toml"
+    run.write_text("".join(f"{k} = {json.dumps(v)}\n" for k, v in stored.items()))
+    assert RunConfig.from_settings(read_run_file(run)) == RunConfig.from_settings(stored)
+    assert main(["train", "--config", str(run), "--resume", str(ck)]) == 0  # at step 2 of 2: nothing to train
+    out = capsys.readouterr().out
+    assert "nothing left to train" in out and out.splitlines()[0].replace(f", resume={ck}", "") == printed
+
+
 BAD = [
     ("lrr = 1\n", "unknown setting 'lrr'"),
     ("[a.b]\nlr = 1\n", "nests a table in a table"),
@@ -64,6 +87,8 @@ BAD = [
     ("lr = 1\n[o]\nlr = 2\n", "lr is set twice"),
     ("model = [\n", "not valid TOML"),
     ("[" * 100000 + "\n", "not valid TOML"),
+    ("steps = \"\uff15\"\n", "steps: '\uff15' is not a valid int; write it in the digits 0-9"),  # fullwidth 5
+    ("lr = \"\uff11e-3\"\n", "lr: '\uff11e-3' is not a valid float"),
 ]
 
 
@@ -87,6 +112,34 @@ def test_run_files_that_are_not_files(tmp_path, capsys):
         assert message in err and err.count("\n") == 1, err
     assert main(["train", "--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.toml")]) == 2
     assert "--config is given twice" in capsys.readouterr().err
+
+
+def test_run_file_paths_are_the_run_files_and_tilde_is_home(tmp_path, data, monkeypatch, capsys):
+    """Relative paths in a run file are taken from its folder, not the current one; `~` is the home folder, in
+    a run file and in a flag, never a folder named `~` (issue 41)."""
+    conf, home, elsewhere = tmp_path / "conf", tmp_path / "home", tmp_path / "elsewhere"
+    for d in (conf, home, elsewhere):
+        d.mkdir()
+    for name in ("train.bin", "train.bin.json"):
+        (conf / name).write_bytes((data.parent / name.replace("train", data.stem)).read_bytes())
+    (conf / "run.toml").write_text(RUN + '[data]\ndata = "train.bin"\ncheckpoint_dir = "ck"\n'
+                                   'metrics = "~/m.jsonl"\n')
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--config", "../conf/run.toml", "--trace", "~/t.json"]) == 0, capsys.readouterr().err
+    assert find_checkpoint(conf / "ck").name == "step-00000002"
+    assert (home / "m.jsonl").is_file() and (home / "t.json").is_file()
+    assert list(elsewhere.iterdir()) == []  # no ./ck, no ./train.bin read, no folder named ~
+
+
+def test_ascii_digits_only_in_number_flags(capsys):
+    for flag, value in (("--steps", "\uff15"), ("--seq-len", "\u0666\u0664"), ("--lr", "\uff11e-3"),
+                        ("--steps", "1_0")):
+        argv = ["train", "--model", "tiny", "--device", "sim", "--gpu-mem", "6MiB", "--seq-len", "64", "--steps",
+                "2", flag, value]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"argument {flag}: {value!r} is not" in err and "digits 0-9" in err and err.count("\n") == 1, err
 
 
 def test_help_documents_the_run_file(capsys):

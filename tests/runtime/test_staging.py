@@ -6,8 +6,8 @@ import torch
 from megatrain.ir.program import STAGING_BYTES
 from megatrain.planner import hardware_preset
 from megatrain.planner.transfers import copy_seconds, staging_bytes
-from megatrain.runtime.device import SimDevice
 from megatrain.runtime.staging import Staging
+from megatrain.runtime.stream_device import SimDevice
 
 
 @pytest.mark.parametrize("numel", [1, 1000, 4096, 4097, 10_000])

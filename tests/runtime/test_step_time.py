@@ -5,6 +5,7 @@ import time
 
 from megatrain.models import preset
 from megatrain.planner import TrainSpec
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.store import HostStore
 from megatrain.runtime.trainer import Trainer
 
@@ -16,7 +17,7 @@ def test_step_time_includes_the_host_optimizer(tmp_path, monkeypatch):
 
     data = make_token_files(tmp_path)[0]
     train = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", lr=3e-3, warmup_steps=1, total_steps=4)
-    t = Trainer(preset("tiny"), train, 6 * 2**20, data=data)
+    t = Trainer(RunConfig(model=preset("tiny"), train=train, gpu_mem=6 * 2**20, data=data, device="sim"))
     try:
         slow = {"on": False}
         original = HostStore.step_unit

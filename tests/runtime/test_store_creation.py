@@ -162,11 +162,13 @@ def test_a_profile_without_creation_rates_still_loads():
 
 
 def test_the_trainer_reports_the_time_to_first_step_beside_the_prediction(tmp_path):
+    from megatrain.runtime.config import RunConfig
     from megatrain.runtime.trainer import Trainer
 
     data = make_token_files(tmp_path)[0]
     train = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", total_steps=1)
-    with Trainer("tiny", train, "6MiB", data=data, hardware="cpu", metrics_path=tmp_path / "m.jsonl") as t:
+    with Trainer(RunConfig(model="tiny", train=train, gpu_mem="6MiB", data=data, hardware="cpu", device="sim",
+                           metrics=tmp_path / "m.jsonl")) as t:
         t.run(1, progress=False, handle_signals=False)
         assert t.time_to_first_step_s > 0
     (rec,) = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]

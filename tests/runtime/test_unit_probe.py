@@ -9,6 +9,8 @@ from megatrain.ir.trace import trace
 from megatrain.models import preset
 from megatrain.planner import TrainSpec, hardware_preset
 from megatrain.planner.costs import CostModel
+from megatrain.runtime.build import profiled
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.trainer import Trainer
 from megatrain.runtime.unit_probe import cached_hardware, probe_hardware, probe_threads
 
@@ -33,14 +35,15 @@ def test_probe_measures_every_template_and_trainer_uses_the_cache(profiles):
     assert prof.dispatch_s > 0 and prof.step_gap_s >= 0
     assert cached_hardware(ir, "sim", probe_threads("sim")) == hw
     assert cached_hardware(ir, "sim", {"compute": 99}) is None  # another thread setting: another key
-    with Trainer("tiny", SPEC, 6 << 20, device="sim", profile="auto") as tr:
+    with Trainer(RunConfig(model="tiny", train=SPEC, gpu_mem=6 << 20, device="sim", profile="auto")) as tr:
         assert tr.plan.hardware.units == prof and str(profiles) in tr.profile_note
         assert all(CostModel(tr.plan.ir, tr.plan.hardware, tr.plan.host_policy).measured)
     given = hardware_preset("cpu").replace(host_memory_bytes=5 << 30)
-    with Trainer("tiny", SPEC, 6 << 20, hardware=given, device="sim", profile="auto") as tr:
+    with Trainer(RunConfig(model="tiny", train=SPEC, gpu_mem=6 << 20, hardware=given, device="sim",
+                           profile="auto")) as tr:
         assert tr.plan.hardware.units == prof  # the probe's speeds, the sizes given (--host-mem)
         assert tr.plan.hardware.host_memory_bytes == 5 << 30
-    with Trainer("tiny", SPEC, 6 << 20, device="sim") as tr:  # profile="off": the preset, as given
+    with Trainer(RunConfig(model="tiny", train=SPEC, gpu_mem=6 << 20, device="sim", profile="off")) as tr:  # the preset
         assert tr.plan.hardware.units is None
 
 
@@ -69,10 +72,10 @@ def test_probe_cli_caches_and_reuses(profiles, capsys):
 def test_a_world_plans_without_a_nodes_cached_probe(profiles):
     ir = trace(preset("tiny"), 1, 16, "fp32", target="cpu")
     probe_hardware(ir, hardware_preset("cpu"), "sim", repeats=1, measure_contention=False)
-    tr = Trainer.__new__(Trainer)  # only the profile choice: no device, no store
-    tr.profile, tr.hardware, tr.compile_units, tr.comm = "auto", hardware_preset("cpu"), False, object()
-    assert tr._profiled(ir, 1024) is tr.hardware  # each node has a cache of its own; the ranks must agree
-    assert "in a world" in tr.profile_note
+    given = hardware_preset("cpu")  # only the profile choice: no device, no store
+    hardware, note = profiled(ir, given, device=None, comm=object())
+    assert hardware is given  # each node has a cache of its own; the ranks must agree
+    assert "in a world" in note
 
 
 def test_the_host_optimizer_rates_are_measured_on_the_threads_training_gives_it(monkeypatch):
@@ -80,8 +83,8 @@ def test_the_host_optimizer_rates_are_measured_on_the_threads_training_gives_it(
     not the main thread's count, and leaves the main thread's count as it was."""
     import torch
 
-    from megatrain.planner import probe as probe_module
     from megatrain.runtime import cpus
+    from megatrain.runtime import machine_probe as probe_module
 
     monkeypatch.setenv(cpus.HOST_THREADS_ENV, "1")
     assert probe_module.host_optimizer_threads("cuda") == probe_module.host_optimizer_threads("cpu") == 1

@@ -101,6 +101,33 @@ def test_user_errors_raise_vab_error_and_main_exits_2(tmp_path, capsys):
         vab("report", str(write_lines(tmp_path / "empty.jsonl", [""])))
 
 
+@pytest.mark.parametrize("argv, message", [
+    # each once a traceback (issue 41): OverflowError in the retry's sleep, RecursionError, MemoryError
+    (["run", "--judge", "cmd:false", "--retry-delays", "inf"], "--retry-delays 'inf': each value must be"),
+    (["run", "--judge", "cmd:false", "--retry-delays", "2,nan"], "must be a number of seconds in [0, 86,400]"),
+    (["run", "--judge", "cmd:false", "--retry-delays", "1e308"], "got 1e+308"),
+    (["report", "DEEP"], "deep.jsonl:1: not valid JSON (RecursionError"),
+    (["report", "/dev/zero"], "/dev/zero: not a regular file"),
+    (["report", "WIDE", "--compare", "/dev/zero"], "/dev/zero: not a regular file"),
+    (["generate", "--sizes", "2,\uff13"], "not a comma list of integers"),
+])
+def test_hostile_values_and_files_are_one_line(tmp_path, capsys, argv, message):
+    tasks, out = tmp_path / "t.jsonl", tmp_path / "r.jsonl"
+    vab("generate", "--out", str(tasks), "--n", "3")
+    vab("run", "--tasks", str(tasks), "--judge", "oracle", "--out", str(tmp_path / "wide.jsonl"))
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    capsys.readouterr()
+    argv = [{"DEEP": str(tmp_path / "deep.jsonl"), "WIDE": str(tmp_path / "wide.jsonl")}.get(a, a) for a in argv]
+    if argv[0] == "run":
+        argv += ["--tasks", str(tasks), "--out", str(out), "--attempts", "2"]
+    elif argv[0] == "generate":
+        argv += ["--out", str(tmp_path / "g.jsonl")]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: ") and message in err and err.count("\n") == 1, err
+    assert not out.exists()
+
+
 RESTATING_JUDGE = "cmd:cat > /dev/null; echo 'At first BEST: B, WORST: A.'; echo 'BEST: A'; echo 'WORST: C'"
 
 

@@ -71,10 +71,4 @@ def init_param(config: ModelConfig, name: str, shape: tuple[int, ...], g) -> Ten
     return m.init_param(config, spec_of(config), name, shape, g)
 
 
-def n_params(config: ModelConfig) -> int:
-    """Analytic parameter count of the depth mixing (0 for residual)."""
-    m = _module(spec_of(config))
-    return 0 if m is None else m.n_params(config, spec_of(config))
-
-
-__all__ = ["RANKS", "DepthSpec", "block_key", "block_mixer", "embed_mixer", "head_mixer", "init_param", "n_params", "parse_depth", "spec_of"]
+__all__ = ["RANKS", "DepthSpec", "block_key", "block_mixer", "embed_mixer", "head_mixer", "init_param", "parse_depth", "spec_of"]

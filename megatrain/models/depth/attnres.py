@@ -88,9 +88,5 @@ def block_key(config, spec, layer: int) -> str:
     return f"@{(2 * layer) % block_size(config, spec)}"
 
 
-def n_params(config, spec) -> int:
-    return (2 * config.n_layers + 1) * 2 * config.d_model
-
-
 def init_param(config, spec, name: str, shape, g) -> Tensor:
     return torch.ones(shape) if name.endswith(".norm") else torch.zeros(shape)

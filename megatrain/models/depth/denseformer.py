@@ -13,6 +13,8 @@ a running sum of α_j · X_j: no stacked copy.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor, nn
 
@@ -37,6 +39,24 @@ def layout(spec, n_layers: int, i: int) -> tuple[list[int], bool]:
     """The carry after block i: the needed X_j, and whether Y_i follows them as its own tensor."""
     keep = needed(spec, n_layers, i)
     return keep, applies(spec, i) or i not in keep
+
+
+DWA_WEIGHT = re.compile(r"blocks\.\d+\.mix\.alpha")
+
+
+def decayed(name: str) -> bool:
+    """Whether AdamW decays the parameter `name` (eager name): the DWA weights, as the official code does
+    (epfml/DenseFormer holds them in nn.Linear modules, which its optimizer groups decay)."""
+    return DWA_WEIGHT.fullmatch(name) is not None
+
+
+def dwa(alpha: Tensor, xs: list[Tensor]) -> Tensor:
+    """Σ_j α_j · X_j as a running sum: no stacked copy of the sources (benchmarks/depth_throughput.py times it
+    against a stack-then-reduce)."""
+    y = None
+    for w, x in zip(alpha, xs):
+        y = w * x if y is None else y + w * x
+    return y
 
 
 class EmbedMixer(nn.Module):
@@ -66,9 +86,7 @@ class BlockMixer(nn.Module):
         xs[i] = x
         y = x
         if applies(spec, i):
-            y = None
-            for w, j in zip(self.alpha, sources(spec, i)):
-                y = w * xs[j] if y is None else y + w * xs[j]
+            y = dwa(self.alpha, [xs[j] for j in sources(spec, i)])
         keep, extra = layout(spec, self.n_layers, i)
         return tuple(xs[j] for j in keep) + ((y,) if extra else ())
 
@@ -83,10 +101,6 @@ class HeadMixer(nn.Module):
 
 def block_key(config, spec, layer: int) -> str:
     return f"@{layer}"
-
-
-def n_params(config, spec) -> int:
-    return sum(len(sources(spec, i)) for i in range(1, config.n_layers + 1) if applies(spec, i))
 
 
 def init_param(config, spec, name: str, shape, g) -> Tensor:

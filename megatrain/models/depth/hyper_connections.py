@@ -100,12 +100,6 @@ def block_key(config, spec, layer: int) -> str:
     return ""
 
 
-def n_params(config, spec) -> int:
-    n, d = spec.n, config.d_model
-    per = n * (n + 2) + (d * (n + 3) + 2 if spec.kind == "hc-dynamic" else 0)
-    return 2 * config.n_layers * per
-
-
 def init_param(config, spec, name: str, shape, g) -> Tensor:
     """alpha = [e_{k mod n} | I] for sub-layer k (0-based over the model), beta = 1, norm = 1, W = 0,
     scales 0.01."""

@@ -1,8 +1,9 @@
-"""Flat parameter buffers and binding: run a stateless template on views into one buffer, copying nothing.
+"""Flat buffers: where each parameter of a unit lives in one buffer, and views into it that copy nothing.
 
-Where it sits: ir/trace.py computes each unit's layout with `flat_layout`; the runtime keeps one flat buffer
-per unit on the host and per slot on the device, and runs units with `run_unit`. A unit's buffers (MoE
-routing state, fp32) are packed after its parameters in the slot (`slot_buffers`, `buffer_views`).
+Where it sits: ir/trace.py lays each unit out with `template_layout` (UnitIR.params); the runtime keeps one
+flat buffer per unit on the host and per slot on the device, and binds a template to `views` of it
+(models/units.py `run_unit`). A unit's buffers (MoE routing state, fp32) are packed after its parameters in
+the slot (`slot_buffers`, `buffer_views`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from megatrain.ir.model_ir import ParamSlice, TensorSpec, UnitIR
-
-from .transformer import Carry, StepInputs
+from .model_ir import ParamSlice, TensorSpec, UnitIR
 
 ALIGN = 32  # elements: offsets stay 64-byte aligned in bf16 and 128-byte aligned in fp32
 
@@ -54,14 +52,6 @@ def slot_buffers(slot: Tensor, unit: UnitIR, dtype: str) -> Tensor:
     """The flat fp32 region of a parameter slot (of compute dtype `dtype`) holding `unit`'s buffers."""
     start = unit.buffer_offset(dtype)
     return slot.view(torch.uint8)[start : start + unit.buffer_bytes].view(torch.float32)
-
-
-def run_unit(template: nn.Module, params: dict[str, Tensor], carry: Carry, inputs: StepInputs,
-             buffers: dict[str, Tensor] | None = None, **mode) -> Carry:
-    """Run a template with bound parameters (and buffers) through torch.func.functional_call. `mode` goes to
-    the template's forward (a depth mixing's record/side/rebuild, models/depth/depthssd.py)."""
-    bound = params if not buffers else {**params, **buffers}
-    return functional_call(template, bound, (carry, inputs), mode, strict=True)
 
 
 def pack(tensors: dict[str, Tensor], layout: Iterable[ParamSlice], numel: int, dtype=None, out=None) -> Tensor:

@@ -1,7 +1,8 @@
-"""`megatrain probe`: measure the machine it runs on and return a Hardware profile.
+"""`megatrain probe`: measure the machine it runs on and return a Hardware profile (planner/hardware.py).
 
-Where it sits: writes the JSON that `--hardware FILE` and `load_hardware(FILE)` read, replacing a preset's
-assumed efficiency factors with measurements (FlexGen's lesson: datasheet numbers mislead a cost model).
+Where it sits: in the runtime, whose kernels (the host optimizer, the cast, store creation) it times. It
+writes the JSON that `--hardware FILE` and `load_hardware(FILE)` read, replacing a preset's assumed efficiency
+factors with measurements (FlexGen's lesson: datasheet numbers mislead a cost model).
 Try it: `megatrain probe --device cpu --quick` (seconds), or on a GPU box `megatrain probe --out gpu.json`.
 
 Measured: matmul FLOP/s per compute dtype (square matmuls, the best of several runs), host memory copy
@@ -22,8 +23,8 @@ import os
 import statistics
 import time
 
-from .costs import ADAMW_BYTES
-from .hardware import PRESETS, GiB, Hardware
+from megatrain.planner.costs import ADAMW_BYTES
+from megatrain.planner.hardware import PRESETS, GiB, Hardware
 
 
 def _best(fn, repeats: int, sync) -> float:
@@ -63,7 +64,7 @@ def stream_bandwidth(torch, nbytes: int, repeats: int) -> float:
     host memory), the access pattern of an optimizer step, on huge pages as the host store's state is
     (runtime/host_memory.py). NOTE: on this 2-core VM with 4 KiB pages the same loop measured 22-24 GB/s,
     against 31-33 on 2 MiB pages; and 256 MiB arrays, inside its 480 MiB L3, read up to 30."""
-    from megatrain.runtime import cpus, host_memory
+    from . import cpus, host_memory
 
     nbytes = max(nbytes, min(2 * (cpus.largest_cache_bytes() or 0), _host_bytes() // 16)) // 4 * 4
     x = host_memory.empty((nbytes // 4,), torch.float32).fill_(1.0)
@@ -83,7 +84,7 @@ def creation_rates(torch, nbytes: int, params: int, repeats: int) -> tuple[float
     ago faults in up to 10x faster than one the host took back; a store meets mostly the second kind."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from megatrain.runtime import host_init, host_memory
+    from . import host_init, host_memory
 
     half = nbytes // 2 // 4 * 4
     held, took = [], []
@@ -97,7 +98,7 @@ def creation_rates(torch, nbytes: int, params: int, repeats: int) -> tuple[float
     outs = [torch.zeros(params) for _ in range(threads)]  # present: the store's masters are touched first
     gens = [torch.Generator().manual_seed(k) for k in range(threads)]
 
-    def draw(k: int):  # as models.transformer._draw draws a weight
+    def draw(k: int):  # as models.eager._draw draws a weight
         return torch.randn((params,), generator=gens[k], out=outs[k]).mul_(0.02)
 
     with ThreadPoolExecutor(threads) as pool:
@@ -111,7 +112,7 @@ def policy_rates(n: int, repeats: int, threads: int | None = None) -> dict[str, 
     traffic, a little more work), on `threads` intra-op threads (None: the calling thread's)."""
     import torch
 
-    from megatrain.runtime.host_state import step_rate  # NOTE: the kernels being measured are the runtime's
+    from .host_state import step_rate
 
     own = torch.get_num_threads()
     if threads is not None:
@@ -130,14 +131,14 @@ def host_optimizer_threads(device: str) -> int:
     """The intra-op threads the host optimizer runs on in training on `device` (runtime/cpus.py: on cuda the
     cores less the issuing and casting workers' and the main thread's, on the sim device half the calling
     thread's), so the probe measures its rates as a run will step."""
-    from megatrain.runtime import cpus
+    from . import cpus
 
     return cpus.resolve("cuda" if device == "cuda" else "sim", bind=False).threads["host"]
 
 
 def _optimizer_path() -> str:
     """How the host optimizer whose rates were measured runs here (runtime/host_kernel.py)."""
-    from megatrain.runtime import host_kernel
+    from . import host_kernel
 
     why = host_kernel.why_not()
     return "host optimizer: one pass (runtime/host_kernel.c)" if why is None else f"host optimizer: torch ops ({why})"
@@ -156,7 +157,7 @@ def cast_fields(torch, device: str, n: int, repeats: int, sync) -> tuple[dict, s
     runtime/cast_kernel.py, else torch's copy_), the threads the h2d worker casts on in a run (runtime/cpus.py),
     and the device's cast: a GPU kernel on CUDA; on the sim device torch's copy_ on the h2d worker's thread,
     which is what its "gpu" place runs."""
-    from megatrain.runtime import cast_kernel, cpus
+    from . import cast_kernel, cpus
 
     threads = cpus.resolve("cuda" if device == "cuda" else "sim", bind=False).threads["h2d"]
     rates = {k: cast_kernel.cast_rate(n, k, repeats) for k in cast_thread_counts(cast_kernel.cpu_threads(), threads)}
@@ -180,6 +181,10 @@ def _host_bytes() -> int:
         return 16 * GiB
 
 
+# the square matmul each dtype's FLOP/s is measured at: large enough that a GPU runs at its sustained rate
+MATMUL_SIZES = {"cuda": {"bfloat16": 8192, "float32": 8192}, "cpu": {"bfloat16": 256, "float32": 512}}
+
+
 def probe(device: str = "auto", quick: bool = False) -> Hardware:
     """Measure this machine. `device`: "cuda", "cpu" (the sim device), or "auto"."""
     import torch
@@ -192,7 +197,7 @@ def probe(device: str = "auto", quick: bool = False) -> Hardware:
     touch, draws = creation_rates(torch, 256 << 20, (1 if quick else 4) << 20, repeats)  # first: see there
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sizes = {"bfloat16": 8192 if cuda else 256, "float32": 8192 if cuda else 512}
+    sizes = MATMUL_SIZES["cuda" if cuda else "cpu"]
     flops = {name: _matmul(torch, device, getattr(torch, name), n, repeats, sync) for name, n in sizes.items()}
     nbytes = (64 if quick else 256) * 2**20
     src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)

@@ -1,39 +1,26 @@
-"""A LLaMA-style decoder split into streaming units, and its eager twin (docs/DESIGN.md 4.1).
+"""The layers of a LLaMA-style decoder and the kernels they choose (docs/DESIGN.md 4.1).
 
-Where it sits: `templates(config)` gives the stateless unit templates (built on the meta device, one per
-distinct structure) that tracing (ir/trace.py) and the runtime run through `bind()`; `build_eager(config)`
-gives a plain nn.Module with the same math and parameter names: the ground truth of every exactness test.
+Where it sits: units.py builds the streaming units from these; what a unit reads besides its carry is a
+`StepInputs`. Architecture: RMSNorm (fp32 statistics, one rounding), RoPE (rotate-half, as Hugging Face
+LLaMA), grouped-query attention through F.scaled_dot_product_attention with a causal mask (K and V not
+repeated where the kernel broadcasts them), SwiGLU MLP.
 
-Architecture: RMSNorm (fp32 statistics, one rounding), RoPE (rotate-half, as Hugging Face LLaMA), grouped-query
-attention through F.scaled_dot_product_attention with a causal mask (K and V not repeated where the kernel
-broadcasts them), SwiGLU MLP; the head is the final RMSNorm, the
-LM head and a chunked cross-entropy (loss.py) returning the *sum* of token losses in fp32.
-
-Long sequences (`StepInputs.chunk_tokens`, chosen by the planner's `chunks` pass): a block runs its norms,
-projections, RoPE and MLP over token chunks (tiled.py; recomputed chunk by chunk in backward), its attention
-as one fused flash call with grouped k and v unrepeated, and the head runs its final norm inside the loss's
-chunks. Chunk sizes of at least the sequence length run exactly today's untiled code.
-
-Units and their carries: `embed` () -> (h,); `blocks.{i}` (h,) -> (h,); `head` (h,) -> (loss_sum,).
-h is (B, T, d) in the compute dtype. A unit's parameter named `p` is `"{unit}.{p}"` in the eager model.
+Long sequences (`StepInputs.chunk_tokens`, chosen by the planner's `chunks` pass): attention runs its norm,
+projections and RoPE, and the MLP its norm and matmuls, over token chunks (tiled.py; recomputed chunk by
+chunk in backward), the attention itself as one fused flash call with grouped k and v unrepeated. Chunk sizes
+of at least the sequence length run exactly the untiled code.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import zlib
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import depth
 from .config import ModelConfig
-from .loss import IGNORE_INDEX, chunked_cross_entropy
-from .moe import MoEFFN, reset_buffers
 from .replay import attention_scope
 from .tiled import tiled
 from .unevaluated import unevaluated
@@ -316,278 +303,9 @@ class MLP(nn.Module):
         with unevaluated(value_unused):
             return self.down_proj(h)
 
-
-class EmbedUnit(nn.Module):
-    kind = "embed"
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.d_model)
-
-        mixer = depth.embed_mixer(c)
-        if mixer is not None:
-            self.mix = mixer
-
-    def forward(self, carry: Carry, inputs: StepInputs) -> Carry:
-        v0 = self.embed_tokens(inputs.tokens)
-        return self.mix(v0) if hasattr(self, "mix") else (v0,)
-
-
-def make_ffn(c: ModelConfig, layer: int) -> nn.Module:
-    """The feed-forward sub-layer of block `layer`: the dense MLP, or an MoE (moe.py) when `c.moe` is set."""
-    return MoEFFN(c) if c.moe is not None and layer in c.moe.layers(c.n_layers) else MLP(c)
-
-
-def ffn_key(c: ModelConfig, layer: int) -> str:
-    """Template-key suffix for block `layer`'s feed-forward structure ("" for the dense MLP and for the MoE
-    blocks of an MoE model, ".dense" for its dense first block)."""
-    return ".dense" if c.moe is not None and layer not in c.moe.layers(c.n_layers) else ""
-
-
-def ffn_init_param(c: ModelConfig, name: str, shape: tuple[int, ...], g: torch.Generator) -> Tensor | None:
-    """The initial value of a feed-forward parameter that the default rule does not cover, else None: an MoE
-    router is N(0, d^-1/2), as the ET paper's."""
-    if c.moe is not None and name.endswith(".mlp.router.weight"):
-        return torch.randn(shape, generator=g) * c.d_model**-0.5
-    return None
-
-
-class BlockUnit(nn.Module):
-    """Two sub-layers, attention then feed-forward, each pre-normed. How their inputs are read from and
-    their outputs written to the depth state (the carry) is the depth mixing's business (models/depth/);
-    without one (`residual`) it is h += f(h)."""
-
-    kind = "block"
-
-    def __init__(self, c: ModelConfig, layer: int = 0):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.d_model, c.norm_eps)
-        self.self_attn = Attention(c)
-        self.post_attention_layernorm = RMSNorm(c.d_model, c.norm_eps)
-        self.mlp = make_ffn(c, layer)
-        mixer = depth.block_mixer(c, layer)
-        if mixer is not None:
-            self.mix = mixer
-
-    @property
-    def can_rebuild(self) -> bool:
-        """Whether the backward can rebuild the carry-in from the carry-out (forward `record=True` returns
-        what it needs; `rebuild=` maps back; `side=` recomputes with the recorded inputs)."""
-        return getattr(getattr(self, "mix", None), "rebuildable", False)
-
-    def sublayers(self, inputs: StepInputs, recompute: bool = False):
-        """The two sub-layers as functions of their input (B, T, d); tiled when `inputs` asks for chunks
-        shorter than the sequence (an MoE feed-forward routes over the whole micro-batch: never tiled).
-        `recompute`: the feed-forward's output is only added to the residual stream and the block's output
-        is not read (a backward's recompute of a residual block), so a dense MLP leaves its last matmul
-        unevaluated, and a tiled one computes nothing (its tiles are recomputed in backward). Tiles recompute
-        in backward without their final projections, recompute or not (models/unevaluated.py)."""
-        def attn(h: Tensor) -> Tensor:
-            chunk = inputs.tiles(h.shape[1])
-            if chunk is not None:
-                return self.self_attn.tiled_forward(h, self.input_layernorm, inputs, chunk)
-            return self.self_attn(self.input_layernorm(h), inputs)
-
-        def ffn(h: Tensor) -> Tensor:
-            chunk = inputs.tiles(h.shape[1])
-            if chunk is not None and isinstance(self.mlp, MLP):
-                # a block's recompute reads no value of it, and its tiles are recomputed in backward anyway:
-                # nothing computed here then
-                mods = {"norm": self.post_attention_layernorm, "mlp": self.mlp}
-                return tiled(_mlp_piece, mods, h, chunk, recompute_fn=_unread(_mlp_piece), unevaluated=recompute)[0]
-            if recompute and isinstance(self.mlp, MLP):
-                return self.mlp(self.post_attention_layernorm(h), value_unused=True)
-            return self.mlp(self.post_attention_layernorm(h))
-
-        return attn, ffn
-
-    def forward(self, carry: Carry, inputs: StepInputs, recompute: bool = False, **mode) -> Carry:
-        """`recompute`: the caller back-propagates through the output but reads none of its values (the
-        backward's recompute from a checkpoint, runtime/engine.py); a residual block then skips work whose
-        value no gradient needs, and its output holds garbage. Gradients are the same bits either way."""
-        if hasattr(self, "mix"):  # a depth mixing weighs the sub-layers' outputs: their values are needed
-            return self.mix(carry, self.sublayers(inputs), **mode)
-        attn, ffn = self.sublayers(inputs, recompute)
-        (h,) = carry
-        h = h + attn(h)
-        return (h + ffn(h),)
-
-
-class HeadUnit(nn.Module):
-    kind = "head"
-
-    def __init__(self, c: ModelConfig):
-        super().__init__()
-        self.norm = RMSNorm(c.d_model, c.norm_eps)
-        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
-        mixer = depth.head_mixer(c)
-        if mixer is not None:
-            self.mix = mixer
-
-    def final(self, carry: Carry) -> Tensor:
-        """The input of the final norm: the depth state read out."""
-        return self.mix(carry) if hasattr(self, "mix") else carry[0]
-
-    def forward(self, carry: Carry, inputs: StepInputs) -> Carry:
-        x = self.final(carry)
-        targets = inputs.targets.reshape(-1)
-        if inputs.tiles(x.shape[-2]) is not None:  # tiled: the final norm runs inside the loss's chunks
-            x = x.reshape(-1, x.shape[-1])
-            return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, norm=self.norm,
-                                          target=inputs.target),)
-        x = self.norm(x)
-        x = x.reshape(-1, x.shape[-1])
-        return (chunked_cross_entropy(x, self.lm_head.weight, targets, inputs.loss_chunk, target=inputs.target),)
-
-
-def recompute_mode(kind: str) -> dict:
-    """The forward mode of a unit of `kind` recomputed for its backward (its output's values unread): a
-    block's `recompute=True`; the embedding and the head have none."""
-    return {"recompute": True} if kind == "block" else {}
-
-
-def unit_names(config: ModelConfig) -> list[str]:
-    return ["embed", *(f"blocks.{i}" for i in range(config.n_layers)), "head"]
-
-
-def template_key(config: ModelConfig, unit: str) -> str:
-    """Units sharing a structure share a template: all blocks of a plain dense model run one template;
-    depth mixings whose state grows with depth, and a dense first block of an MoE, make more."""
-    if unit in ("embed", "head"):
-        return unit
-    layer = int(unit.split(".")[1])
-    return "block" + depth.block_key(config, layer) + ffn_key(config, layer)
-
-
-def templates(config: ModelConfig) -> dict[str, nn.Module]:
-    """One stateless template per distinct unit structure, on the meta device (no weight memory)."""
-    out: dict[str, nn.Module] = {}
-    with torch.device("meta"):
-        out["embed"] = EmbedUnit(config)
-        for layer in range(config.n_layers):
-            key = template_key(config, f"blocks.{layer}")
-            if key not in out:
-                out[key] = BlockUnit(config, layer)
-        out["head"] = HeadUnit(config)
-    return out
-
-
-def tied_params(config: ModelConfig, unit: str) -> dict[str, str]:
-    """Parameters of `unit` that are stored in another unit (name -> 'unit.param')."""
-    if config.tie_embeddings and unit == "head":
-        return {"lm_head.weight": "embed.embed_tokens.weight"}
-    return {}
-
-
-class EagerModel(nn.Module):
-    """The whole model as one nn.Module; forward returns the summed token loss (fp32)."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.config = config
-        self.embed = EmbedUnit(config)
-        self.blocks = nn.ModuleList(BlockUnit(config, i) for i in range(config.n_layers))
-        self.head = HeadUnit(config)
-        if config.tie_embeddings:
-            self.head.lm_head.weight = self.embed.embed_tokens.weight
-
-    def forward(self, tokens: Tensor, targets: Tensor, positions: Tensor | None = None) -> Tensor:
-        # NOTE: full logits and F.cross_entropy on purpose: an independent check of the chunked loss.
-        logits = self.logits(tokens, positions).float()
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum",
-                               ignore_index=IGNORE_INDEX)
-
-    def logits(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """(B, T, vocab) next-token logits in the model's dtype; `positions` (B, T) for a packed batch."""
-        dtype = self.embed.embed_tokens.weight.dtype
-        cos, sin = rope_tables(self.config, tokens.shape[1], dtype, tokens.device)
-        packed = packing(positions.cpu(), tokens.device) if positions is not None else {}
-        inputs = StepInputs(tokens=tokens, cos=cos, sin=sin, **packed)
-        carry = self.embed((), inputs)
-        for block in self.blocks:
-            carry = block(carry, inputs)
-        return self.head.lm_head(self.head.norm(self.head.final(carry)))
-
-
-def decays(name: str, shape: tuple[int, ...]) -> bool:
-    """Whether AdamW's weight decay applies to the parameter `name` (eager name) of `shape`: weight matrices
-    do (projections, embeddings, the LM head, experts, routers); norms, biases and depth-mixing coefficients
-    (`<unit>.mix.*`, whatever their shape) do not. The usual convention of fine-tuning recipes."""
-    return len(shape) >= 2 and ".mix." not in name
-
-
-def init_weights(config: ModelConfig, seed: int = 0, names: list[str] | None = None) -> dict[str, Tensor]:
-    """fp32 initial weights by eager parameter name, each drawn from its own generator.
-
-    Each tensor depends only on (seed, name), so the host store can initialise unit by unit without building
-    the model, and get exactly what build_eager(config, seed) holds. Normal(0, init_std) for matrices,
-    output projections scaled by 1/sqrt(2 * n_layers) (GPT-2), ones for norms, zeros for biases.
-    """
-    shapes = param_shapes(config)
-    return {name: _draw(config, seed, name, shapes[name]) for name in (names if names is not None else shapes)}
-
-
-def init_into(config: ModelConfig, seed: int, dests: dict[str, Tensor], threads: int | None = None) -> None:
-    """init_weights(config, seed)'s values written into `dests` (eager name -> a contiguous fp32 tensor of the
-    parameter's numel, e.g. a view of the host store's masters), drawn in place on `threads` threads (default:
-    the CPUs this process may run on). Each tensor has its own generator, so the bits do not depend on the
-    threads; a 7B model draws in seconds on a server's cores instead of minutes on one."""
-    shapes = param_shapes(config)
-    for name, dst in dests.items():
-        if dst.dtype != torch.float32 or not dst.is_contiguous() or dst.numel() != math.prod(shapes[name]):
-            raise ValueError(f"{name}: needs a contiguous fp32 tensor of {math.prod(shapes[name])} elements")
-    threads = threads or len(os.sched_getaffinity(0))
-    work = sorted(dests, key=lambda n: -dests[n].numel())  # the largest first, so the threads end together
-    if threads <= 1 or len(work) <= 1:
-        for name in work:
-            _draw(config, seed, name, shapes[name], dests[name])
-        return
-    with ThreadPoolExecutor(min(threads, len(work)), thread_name_prefix="init") as pool:
-        for f in [pool.submit(_draw, config, seed, n, shapes[n], dests[n]) for n in work]:
-            f.result()
-
-
-def _draw(config: ModelConfig, seed: int, name: str, shape: tuple[int, ...], out: Tensor | None = None) -> Tensor:
-    """One parameter's initial value (into `out`, reshaped, when given)."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    dst = None if out is None else out.view(shape)
-    custom = depth.init_param(config, name, shape, g)
-    if custom is None:
-        custom = ffn_init_param(config, name, shape, g)
-    if custom is not None:
-        value = custom
-    elif name.endswith("norm.weight"):
-        value = torch.ones(shape)
-    elif name.endswith(".bias"):
-        value = torch.zeros(shape)
-    else:
-        std = config.init_std
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            std /= (2 * config.n_layers) ** 0.5
-        # in place: the same bits as randn(...) * std, one pass and no temporary of the tensor's size
-        return torch.randn(shape, generator=g, out=dst).mul_(std)
-    return value if dst is None else dst.copy_(value)
-
-
-def param_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape by eager name (a tied LM head is listed once, under the embedding)."""
-    with torch.device("meta"):
-        model = EagerModel(config)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}
-
-
-def build_eager(config: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.float32) -> EagerModel:
-    """The plain nn.Module, initialised as `init_weights(config, seed)`; `config` may be a preset name or a
-    config file, as everywhere."""
-    if not isinstance(config, ModelConfig):
-        from .presets import load_model_config
-
-        config = load_model_config(config)
-    with torch.device("meta"):
-        model = EagerModel(config)
-    model = model.to_empty(device="cpu")
-    if config.tie_embeddings:  # to_empty breaks the tie: restore it
-        model.head.lm_head.weight = model.embed.embed_tokens.weight
-    # drawn in place, in parallel, into the parameters' storage (a tied head's weight is the embedding's)
-    init_into(config, seed, {n: model.get_parameter(n).detach().view(-1) for n in param_shapes(config)})
-    return reset_buffers(model.to(dtype))  # routing buffers: to_empty left them unset, to() would cast them
+    def tiled_forward(self, h: Tensor, norm: nn.Module, chunk: int, recompute: bool = False) -> Tensor:
+        """norm -> MLP of the block input h, `chunk` tokens at a time, each tile recomputed in backward.
+        `recompute`: the caller reads no value of the result (a block's recompute), and the tiles are
+        recomputed in backward anyway: nothing is computed here then."""
+        return tiled(_mlp_piece, {"norm": norm, "mlp": self}, h, chunk, recompute_fn=_unread(_mlp_piece),
+                     unevaluated=recompute)[0]
