@@ -26,7 +26,8 @@ import torch
 from quality_runs import train_run
 
 from megatrain.models import ModelConfig, preset
-from megatrain.models.moe import MoEConfig, active_params
+from megatrain.models.config import MoEConfig
+from megatrain.models.moe import active_params
 from megatrain.runtime.corpus import cached_default_corpus
 
 ROUTERS = ("dense", "tc-aux", "tc-bias", "et")

@@ -13,6 +13,7 @@ import time
 
 from megatrain.models import ModelConfig
 from megatrain.planner import TrainSpec
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.trainer import Trainer
 
 BUDGET = 256 * 2**20  # the whole model fits: the runs measure the model, not streaming
@@ -31,8 +32,8 @@ def train_run(config: ModelConfig, seed: int, steps: int, data, host_policy: str
     host holds AdamW state (megatrain/planner/host_policy.py); `lr_scale` multiplies the learning rate."""
     t0 = time.perf_counter()
     spec = train_spec(steps, seed)
-    with Trainer(config, spec.replace(lr=spec.lr * lr_scale), BUDGET, data=data[0], val_data=data[1],
-                 host_policy=host_policy) as t:
+    with Trainer(RunConfig(model=config, train=spec.replace(lr=spec.lr * lr_scale), gpu_mem=BUDGET, device="sim",
+                           data=data[0], val_data=data[1], host_policy=host_policy)) as t:
         records = t.run(steps, progress=False)
         val = t.validation_loss(VAL_BATCHES)
     tail = records[-max(1, steps // 10):]

@@ -14,11 +14,18 @@ the run. Seeds are paired: a seed fixes init of every shared tensor and the data
 
 Variants: residual; DenseFormer 1x1; DepthSSD N = 1 (the learnable-gain control: a rank-1 state) and N = 8;
 Hyper-Connections static n = 4; Block AttnRes with 6 blocks of 4 sub-layers; `--variants` adds the rank
-sweep depthssd:2, depthssd:4.
+sweep depthssd:2, depthssd:4, and the noise arm `noise` (issue 43): the residual model with the learning rate
+times 1 + 1e-6, a change with no systematic effect that still sends the run down another trajectory. Its paired
+difference to the residual is what chaos alone gives a seed; its sd floors the sd of the rule's interval
+(stats.paired). The 2026-12-01/03 runs had no noise arm: their verdict has no floor, and says so.
 
 Decision rule (fixed before the results, docs/RESULTS.md): rank helps iff DepthSSD-8's final validation loss
 is below DenseFormer's and the residual's on every seed, and below DepthSSD-1's with a paired 95% t interval
 of (DepthSSD-8 - DepthSSD-1) entirely below 0. Anything else is reported as not shown.
+
+Descriptive comparisons (issue 43, after the runs): every pair of the six variants, 15 comparisons, printed
+with Holm-corrected intervals (stats.holm) beside the rule's own uncorrected one; only those Holm rejects are
+called differences.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import sys
 from pathlib import Path
 
 import torch
+from stats import holm
 from study_runs import done, finish, paired, train
 
 from megatrain.models import ModelConfig, preset
@@ -37,6 +45,8 @@ from megatrain.runtime.corpus import cached_default_corpus
 
 VARIANTS = ("residual", "denseformer", "depthssd:1", "depthssd:8", "hc:4", "attnres:6")
 RANK_SWEEP = ("depthssd:2", "depthssd:4")
+NOISE = "noise"  # the residual at lr x (1 + NOISE_LR_DELTA)
+NOISE_LR_DELTA = 1e-6
 ROOT = Path(__file__).resolve().parents[1]
 VAL_BATCHES = 16
 # validation holds every unit's carry-out of a batch (DepthSSD-8: 16 MiB a unit, DenseFormer: the block outputs
@@ -45,12 +55,14 @@ BUDGET = 2**30
 
 
 def model(mixing: str, n_layers: int = 12) -> ModelConfig:
+    mixing = "residual" if mixing == NOISE else mixing
     return ModelConfig(**{**preset("tiny").model_dump(), "name": mixing, "n_layers": n_layers,
                           "depth_mixing": mixing})
 
 
-def spec(steps: int, seed: int, micro_batch: int = 16, seq_len: int = 256) -> TrainSpec:
-    return TrainSpec(micro_batch=micro_batch, seq_len=seq_len, grad_accum=1, dtype="fp32", lr=3e-3,
+def spec(steps: int, seed: int, micro_batch: int = 16, seq_len: int = 256, variant: str = "") -> TrainSpec:
+    lr = 3e-3 * (1 + NOISE_LR_DELTA) if variant == NOISE else 3e-3
+    return TrainSpec(micro_batch=micro_batch, seq_len=seq_len, grad_accum=1, dtype="fp32", lr=lr,
                      warmup_steps=steps // 10, total_steps=steps, weight_decay=0.1, clip_norm=1.0, seed=seed)
 
 
@@ -89,6 +101,13 @@ def table(recs: list[dict], variants: list[str], steps: int) -> str:
     return "\n".join(rows) + f"\n\nseeds: {', '.join(map(str, seeds))}"
 
 
+def noise_floor(by: dict[tuple[str, int], float]) -> tuple[float, int | None]:
+    """(sd, degrees of freedom) of the noise arm's paired difference to the residual over the seeds that have
+    both; (0, None) where fewer than two seeds have it."""
+    d = [by[NOISE, s] - by["residual", s] for (v, s) in by if v == NOISE and ("residual", s) in by]
+    return (statistics.stdev(d), len(d) - 1) if len(d) > 1 else (0.0, None)
+
+
 def verdict(recs: list[dict], steps: int) -> str:
     by = {(r["variant"], r["seed"]): r["val_loss"] for r in recs if r["steps"] == steps}
     need = ("residual", "denseformer", "depthssd:1", "depthssd:8")
@@ -96,11 +115,35 @@ def verdict(recs: list[dict], steps: int) -> str:
     if not seeds:
         return "verdict: no seed has all four of residual, denseformer, depthssd:1, depthssd:8"
     below = [by["depthssd:8", s] < min(by["denseformer", s], by["residual", s]) for s in seeds]
-    m, lo, hi = paired([by["depthssd:8", s] - by["depthssd:1", s] for s in seeds])
+    sd, df = noise_floor(by)
+    m, lo, hi = paired([by["depthssd:8", s] - by["depthssd:1", s] for s in seeds], sd, df)
     ok = all(below) and len(seeds) > 1 and hi < 0
+    floor = f"noise floor sd {sd:.4f} ({df + 1} seeds)" if df else "no noise arm run: no floor"
     return (f"verdict on {len(seeds)} seed(s): DepthSSD-8 below DenseFormer and residual on {sum(below)} of "
-            f"{len(seeds)}; DepthSSD-8 - DepthSSD-1 = {m:+.4f} [{lo:+.4f}, {hi:+.4f}] -> "
+            f"{len(seeds)}; DepthSSD-8 - DepthSSD-1 = {m:+.4f} [{lo:+.4f}, {hi:+.4f}] ({floor}) -> "
             + ("rank helps (rule met)" if ok else "rule NOT met: the benefit of rank is not shown"))
+
+
+def holm_table(recs: list[dict], steps: int, variants: tuple[str, ...] = VARIANTS) -> str:
+    """Every pair of `variants` (later minus earlier, per seed), Holm-corrected over the family at 5%: the
+    interval at the level Holm's step tests it at, and whether Holm rejects a zero difference."""
+    by = {(r["variant"], r["seed"]): r["val_loss"] for r in recs if r["steps"] == steps}
+    sd, df = noise_floor(by)
+    named = {}
+    for i, a in enumerate(variants):
+        for b in variants[i + 1:]:
+            d = [by[b, s] - by[a, s] for (v, s) in sorted(by) if v == a and (b, s) in by]
+            if len(d) > 1:
+                named[f"{b} - {a}"] = d
+    if not named:
+        return ""
+    rows = ["| comparison | seeds | uncorrected 95% | Holm: level, interval | Holm rejects 0 |",
+            "|---|---|---|---|---|"]
+    for k, (iv, rej) in sorted(holm(named, 0.05, sd, df).items(), key=lambda kv: kv[1][0].p):
+        m, lo, hi = paired(named[k], sd, df)
+        rows.append(f"| {k} | {iv.n} | {m:+.4f} [{lo:+.4f}, {hi:+.4f}] | {iv.level:.2%}: {iv.fmt()} | "
+                    f"{'yes' if rej else 'no'} |")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -125,15 +168,16 @@ def main() -> None:
                 if k in done(args.results):  # reread: another process may share the results file
                     continue
                 work = args.work / k.replace("|", "_").replace(":", "-")
-                rec = train(k, model(v), spec(args.steps, seed), evals(args.steps), data, work,
+                rec = train(k, model(v), spec(args.steps, seed, variant=v), evals(args.steps), data, work,
                             args.val_batches, budget=BUDGET)
                 rec |= {"variant": v, "seed": seed, "steps": args.steps,
                         "tokens": args.steps * spec(args.steps, seed).tokens_per_step}
                 finish(args.results, rec, work)
                 print(f"{v:>12} seed {seed}: val {rec['val_loss']:.4f} ({rec['seconds']:.0f} s)", flush=True)
     recs = list(done(args.results).values())
-    print(table(recs, [v for v in [*VARIANTS, *RANK_SWEEP] if v in variants or args.table], args.steps))
+    print(table(recs, [v for v in [*VARIANTS, *RANK_SWEEP, NOISE] if v in variants or args.table], args.steps))
     print(verdict(recs, args.steps))
+    print(holm_table(recs, args.steps))
     sys.stdout.flush()
 
 

@@ -22,12 +22,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import stats
+
 from megatrain.models import ModelConfig
 from megatrain.planner import TrainSpec
+from megatrain.runtime.config import RunConfig
 from megatrain.runtime.trainer import Trainer
 
 BUDGET = 256 * 2**20  # the whole model fits: the runs measure the model, not streaming
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def done(results: Path) -> dict[str, dict]:
@@ -61,8 +63,8 @@ def train(key: str, config: ModelConfig, spec: TrainSpec, evals: list[int], data
     # the checkpoint of the last recorded point (a later one may exist if a kill came before its figures)
     last = max((int(s) for s in progress["val"]), default=0)
     resume = ckpt / f"step-{last:08d}" if last else None
-    with Trainer(config, spec, budget, data=data[0], val_data=data[1], checkpoint_dir=ckpt,
-                 keep_checkpoints=2, resume=resume) as t:
+    with Trainer(RunConfig(model=config, train=spec, gpu_mem=budget, device="sim", data=data[0], val_data=data[1],
+                           checkpoint_dir=ckpt, keep_checkpoints=2, resume=resume)) as t:
         for point in evals:
             if point <= t.step:
                 continue
@@ -95,10 +97,8 @@ def finish(results: Path, record: dict, work: Path) -> None:
     shutil.rmtree(work, ignore_errors=True)
 
 
-def paired(diffs: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high) of a paired 95% t interval of per-seed differences (low = high = mean for one)."""
-    m = statistics.mean(diffs)
-    if len(diffs) < 2:
-        return m, m, m
-    half = T95[len(diffs) - 1] * statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return m, m - half, m + half
+def paired(diffs: list[float], sd_floor: float = 0.0, df_floor: float | None = None) -> tuple[float, float, float]:
+    """(mean, low, high) of a paired 95% t interval of per-seed differences (low = high = mean for one), the t
+    quantile exact for any number of seeds and the sd at least a noise arm's `sd_floor` (stats.paired)."""
+    iv = stats.paired(diffs, 0.95, sd_floor, df_floor)
+    return iv.mean, iv.low, iv.high

@@ -99,10 +99,11 @@ def test_each_case_is_its_own_stage_the_headline_first_within_eight_minutes():
     names = [n for n, _ in stages]
     assert names == ["bundle", "install", "preflight", "ds-cpu-adam", "cuda-tests", "headline",
                      "peer-1-megatrain", "peer-2-fsdp2", "peer-3-deepspeed", "peer-4-megatrain", "peer-5-fsdp2",
-                     "peer-6-deepspeed", "qwen2.5-14b", "table"]
+                     "peer-6-deepspeed", "qwen2.5-14b", "table", "depth-throughput"]
     limits = dict(stages)
     assert limits["preflight"] <= 20 and limits["cuda-tests"] <= 90
-    assert sum(v for n, v in stages if n != "ds-cpu-adam") <= 480
+    # depth-throughput runs only in the time the run has left (test_the_depth_stage_runs_in_the_time_left)
+    assert sum(v for n, v in stages if n not in ("ds-cpu-adam", "depth-throughput")) <= 480
     assert [n for n, _ in _stages("--rehearse") if n != "venv"] == names
     script = (ROOT / "benchmarks/gpu/run.sh").read_text()
     assert "HEADLINE=llama3-8b@8192" in script and "BIG=qwen2.5-14b@4096" in script
@@ -166,7 +167,8 @@ def _args(**kw):
 def test_the_benchmark_plans_with_the_kinds_host_memory_not_memavailable(monkeypatch):
     """A lent machine's MemAvailable at start is far below the 128 GiB it grows to: the cases plan with the
     profile's host memory (the preflight's 120 GiB, or --host-mem), so llama3-8b at 8192 keeps its exact state
-    and qwen2.5-14b fits under a compact one; MemAvailable is never read for the plan."""
+    and qwen2.5-14b fits under a compact one, which run.sh names (auto takes none since the shadow measurement
+    at beta2 0.999); MemAvailable is never read for the plan."""
     import gpu_step
     import preflight
 
@@ -176,7 +178,9 @@ def test_the_benchmark_plans_with_the_kinds_host_memory_not_memavailable(monkeyp
     *_, row = gpu_step.plan_case("llama3-8b@8192", _args())
     assert row["host_policy"] == "exact" and row["host_memory_bytes"] == 120 * GiB and "skipped" not in row
     *_, row = gpu_step.plan_case("qwen2.5-14b@4096", _args())
-    assert row["host_policy"] in ("bf16-moments", "bf16", "fp8") and row["host_bytes"] <= 120 * GiB
+    assert "--host-policy bf16-moments" in row["skipped"]  # auto: exact does not fit, nothing else is eligible
+    *_, row = gpu_step.plan_case("qwen2.5-14b@4096", _args(host_policy="bf16-moments"))
+    assert row["host_policy"] == "bf16-moments" and row["host_bytes"] <= 120 * GiB
     assert (preflight.KIND_HOST_GIB - preflight.HEADROOM_GIB) * GiB == 120 * GiB
 
 
@@ -204,6 +208,7 @@ def test_the_trainers_host_memory_check_takes_the_explicit_override(monkeypatch,
     the figure it checks instead, both ways."""
     from megatrain.models import preset
     from megatrain.planner import TrainSpec
+    from megatrain.runtime.config import RunConfig
     from megatrain.runtime.trainer import HOST_MEM_ENV, HostMemoryError, Trainer, available_host_bytes
 
     monkeypatch.setenv(HOST_MEM_ENV, "1TiB")
@@ -213,8 +218,10 @@ def test_the_trainers_host_memory_check_takes_the_explicit_override(monkeypatch,
         available_host_bytes()
     monkeypatch.setenv(HOST_MEM_ENV, "1KiB")
     train = TrainSpec(micro_batch=2, seq_len=64, dtype="fp32", total_steps=2)
-    with pytest.raises(HostMemoryError, match=r"only 1 KiB \(1,024 bytes\)"):
-        Trainer(preset("tiny"), train, 6 * 2**20)
+    with pytest.raises(HostMemoryError, match=r"only 1 KiB \(1,024 bytes\)"):  # a preset plans with its own
+        Trainer(RunConfig(model=preset("tiny"), train=train, gpu_mem=6 * 2**20, device="sim", hardware="cpu"))
+    with pytest.raises(ValueError, match=r"host memory 1 KiB is too small"):  # planned for this machine: with it
+        Trainer(RunConfig(model=preset("tiny"), train=train, gpu_mem=6 * 2**20, device="sim"))
 
 
 def test_the_benchmark_frees_each_case_before_the_next(monkeypatch, capsys):
@@ -383,3 +390,26 @@ def test_without_pip_the_bundles_wheels_for_this_python_are_unzipped(tmp_path, m
     install_offline._pip_install(tmp_path / "site", False, bundle)
     assert (tmp_path / "site" / "hjson.py").exists()
     assert (tmp_path / "site" / "pydantic_core_marker.py").read_text() == f"PY = {tag!r}\n"
+
+
+def test_the_depth_stage_runs_in_the_time_left_within_four_minutes(tmp_path):
+    """The depth mixings' throughput (benchmarks/depth_throughput.py) is the last stage, at most 4 minutes, run
+    only when the run's budget has DEPTH_MIN_S left and then under the time left; `--depth-only` runs it
+    alone; the summary takes its status from the JSON it writes, or says it was cut off."""
+    import summary
+
+    assert dict(_stages())["depth-throughput"] <= 240
+    assert [n for n, _ in _stages("--depth-only")] == ["bundle", "install", "depth-throughput"]
+    script = (ROOT / "benchmarks/gpu/run.sh").read_text()
+    call = re.search(r"stage depth-throughput (.*?)\n[^ ]", script, re.S).group(1)
+    assert '--limit "$cap"' in call and '--json "$OUT/depth_throughput.json"' in call and "--budget-s" in call
+    assert 'DEPTH_ARGS=(--rehearse)' in script and "skipped: $left s left" in script
+    f, result = str(tmp_path / "summary.json"), tmp_path / "depth.json"
+    summary.main(["init", f, "--mode", "device", "depth-throughput=240"])
+    result.write_text(json.dumps({"status": "measured: 14 of 14 runs on H100"}))
+    summary.main(["done", f, "depth-throughput", "0", "80", "--json", str(result)])
+    assert summary.load(f)["stages"][0]["status"] == "measured: 14 of 14 runs on H100"
+    summary.main(["done", f, "depth-throughput", "124", "240", "--json", str(result)])
+    assert summary.load(f)["stages"][0]["status"] == "cut off at 240 s (measured: 14 of 14 runs on H100)"
+    summary.main(["done", f, "depth-throughput", "1", "3", "--json", str(tmp_path / "none.json")])
+    assert summary.load(f)["stages"][0]["status"] == "failed: exit 1 and no result written"

@@ -28,9 +28,13 @@
 #                to what a run's limit allows by the preflight's rates), 28 s each                   168
 #   qwen2.5-14b  qwen2.5-14b at 4096 tokens under the host policy that fits (gpu_step.py)            72
 #   table        table.py: $OUT/results.md                                                             3
+#   depth-throughput  optional: depth_throughput.py, the depth mixings' eager training throughput at the
+#                125m and 1b shapes in bf16 ($OUT/depth_throughput.json); runs only when the run's budget
+#                (RUN_BUDGET_S, the call's 540 s less 10) has DEPTH_MIN_S (60) left, under the time left   (240)
+# `--depth-only`: bundle, install and depth-throughput alone (a call of its own: timeout_s 300).
 # $OUT (at most 8 files): run.log (everything printed), summary.json (every stage: status, seconds, limit,
 # note; rewritten after each stage), preflight.json, hardware.json, rows.jsonl (one line per case or peer
-# run, appended as it is made), cuda_tests.xml, results.md.
+# run, appended as it is made), cuda_tests.xml, results.md, depth_throughput.json.
 # Exit status: 0 every stage ok (summary.py: passed, measured, rehearsed or skipped), 1 a stage was not,
 # 2 no GPU visible, 3 the bundle was not carried or the install failed.
 # Environment: PYTHON (default python3), OUT (default out/gpu), HOST_MEM (default: the kind's 128 GiB less
@@ -39,12 +43,13 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 BUNDLE=${BUNDLE:-$ROOT/benchmarks/gpu/bundle}
-MODE=device SHORT=0 TESTS_ONLY=0 LIST=0
+MODE=device SHORT=0 TESTS_ONLY=0 LIST=0 DEPTH_ONLY=0 RUN_T0=$(date +%s.%N)
 for arg in "$@"; do
   case "$arg" in
     --rehearse) MODE=rehearse ;;
     --short) SHORT=1 ;;  # the rehearsal without DeepSpeed's CPU Adam build (minutes on 2 cores), for CI
     --tests-only) TESTS_ONLY=1 ;;
+    --depth-only) DEPTH_ONLY=1 ;;
     --list) LIST=1 ;;  # print the stages and their limits, run nothing
     *) echo "gpu/run.sh: unknown argument $arg" >&2; exit 64 ;;
   esac
@@ -53,14 +58,16 @@ done
 # -- what each mode runs: the device's cases, or the rehearsal's stand-ins on the fake CUDA backend -----------
 if [ "$MODE" = device ]; then
   PY=${PYTHON:-python3}
-  HEADLINE=llama3-8b@8192 BIG=qwen2.5-14b@4096 BIG_ARGS=() PEER_DEVICE=cuda STEPS=3 PEER_STEPS=2
+  HEADLINE=llama3-8b@8192 BIG=qwen2.5-14b@4096 BIG_ARGS=(--host-policy bf16-moments) PEER_DEVICE=cuda STEPS=3 PEER_STEPS=2
   LIMITS=(bundle=1 install=20 preflight=20 ds-cpu-adam=150 cuda-tests=90 headline=100 peer=28 qwen2.5-14b=72
-          table=3)
+          table=3 depth-throughput=240)
+  RUN_BUDGET_S=${RUN_BUDGET_S:-530} DEPTH_ARGS=()
   TEST_SELECT=() TEST_TIMEOUT=40
 else  # tiny models, one or two steps, limits for 2 CPU cores; the peers' wiring on the CPU (gloo)
-  HEADLINE=tiny@128 BIG=small@64 BIG_ARGS=(--host-mem 200MB) PEER_DEVICE=cpu STEPS=2 PEER_STEPS=1
+  HEADLINE=tiny@128 BIG=small@64 BIG_ARGS=(--host-mem 200MB --host-policy bf16-moments) PEER_DEVICE=cpu STEPS=2 PEER_STEPS=1
   LIMITS=(bundle=1 venv=240 install=60 preflight=60 ds-cpu-adam=900 cuda-tests=240 headline=120 peer=120
-          qwen2.5-14b=120 table=10)
+          qwen2.5-14b=120 table=10 depth-throughput=90)
+  RUN_BUDGET_S=${RUN_BUDGET_S:-100000} DEPTH_ARGS=(--rehearse)  # the rehearsal always reaches its stage
   # the CUDA tests that take seconds on a CPU: the device's own, the policies, pinned host bytes, packed
   # attention, checkpoints; the rest differ in size (the device runs every one), and `make test` runs them all
   # on the fake backend (test-cuda-fake)
@@ -75,14 +82,16 @@ limit() {  # a stage's limit in seconds (peer-N-SYSTEM: the peers' one)
 PEERS=(megatrain fsdp2 deepspeed megatrain fsdp2 deepspeed)
 STAGES=(bundle $([ "$MODE" = rehearse ] && echo venv) install preflight ds-cpu-adam cuda-tests headline)
 for i in "${!PEERS[@]}"; do STAGES+=("peer-$((i + 1))-${PEERS[$i]}"); done
-STAGES+=(qwen2.5-14b table)
+STAGES+=(qwen2.5-14b table depth-throughput)
 [ "$TESTS_ONLY" -eq 1 ] && STAGES=(bundle $([ "$MODE" = rehearse ] && echo venv) install cuda-tests)
+[ "$DEPTH_ONLY" -eq 1 ] && STAGES=(bundle $([ "$MODE" = rehearse ] && echo venv) install depth-throughput)
+DEPTH_MIN_S=${DEPTH_MIN_S:-60}
 specs=(); for s in "${STAGES[@]}"; do specs+=("$s=$(limit "$s")"); done
 if [ "$LIST" -eq 1 ]; then printf '%s\n' "${specs[@]}"; exit 0; fi
 
 OUT=${OUT:-$ROOT/out/gpu$([ "$MODE" = rehearse ] && echo -rehearse)}
 mkdir -p "$OUT"
-rm -f "$OUT"/{run.log,summary.json,preflight.json,hardware.json,rows.jsonl,cuda_tests.xml,results.md}
+rm -f "$OUT"/{run.log,summary.json,preflight.json,hardware.json,rows.jsonl,cuda_tests.xml,results.md,depth_throughput.json}
 exec > >(tee -a "$OUT/run.log") 2>&1  # everything printed from here on, also in $OUT/run.log
 TEE=$!
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/megatrain-gpu.XXXXXX")
@@ -106,9 +115,11 @@ finish() {  # exit status: the summary's verdict, or the one given
   "${SUM[@]}" final "$OUT/summary.json" --gpu "${GPU:-}"; local rc=$?
   exit "${1:-$rc}"
 }
-# stage NAME [--rows|--junit F] -- CMD...: CMD under the stage's limit, its status into the summary
+# stage NAME [--limit S] [--rows|--junit|--json F] -- CMD...: CMD under the stage's limit (or S), its status
+# into the summary
 stage() {
   local name=$1 lim; lim=$(limit "$1"); shift
+  [ "$1" = --limit ] && { lim=$2; shift 2; }
   local extra=(); while [ "$1" != "--" ]; do extra+=("$1"); shift; done; shift
   log "== $name (limit $lim s): $*"
   "${SUM[@]}" set "$OUT/summary.json" "$name" running
@@ -154,6 +165,23 @@ if [ -z "$GPU" ]; then
 fi
 log "$GPU"
 
+# -- depth-throughput (optional, last): in what is left of the run's budget, skipped when that is short ---------
+depth_stage() {
+  local left cap; cap=$(limit depth-throughput)
+  left=$(python3 -S -c 'import sys, time; print(int(float(sys.argv[1]) - (time.time() - float(sys.argv[2]))))' \
+    "$RUN_BUDGET_S" "$RUN_T0")
+  if [ "$left" -lt "$DEPTH_MIN_S" ]; then
+    "${SUM[@]}" set "$OUT/summary.json" depth-throughput \
+      "skipped: $left s left of the run's $RUN_BUDGET_S s, the stage needs $DEPTH_MIN_S (run.sh --depth-only runs it)" \
+      --seconds 0
+    return 0
+  fi
+  [ "$((left - 10))" -lt "$cap" ] && cap=$((left - 10))
+  stage depth-throughput --limit "$cap" --json "$OUT/depth_throughput.json" -- "$PY" -P benchmarks/depth_throughput.py \
+    "${DEPTH_ARGS[@]}" --budget-s "$((cap - 20))" --out "$OUT/depth_throughput.json"
+}
+[ "$DEPTH_ONLY" -eq 1 ] && { depth_stage; finish; }
+
 # -- preflight: the machine measured, as the profile the cases plan with --------------------------------------
 if [ "$TESTS_ONLY" -eq 0 ]; then
   HOST_ARGS=() CASE_HOST=(); [ -n "${HOST_MEM:-}" ] && HOST_ARGS=(--host-mem "$HOST_MEM")
@@ -186,7 +214,7 @@ fi
 # -- the CUDA tests: every one (no -x), each under pytest-timeout, each named in the log as it ends (-v); the
 # session stops itself 10 s before the stage's limit where pytest-timeout can (2.3+), so its junit is written
 CUDA_TEST_FILES=(tests/runtime/test_cuda.py tests/runtime/test_cuda_long.py tests/runtime/test_device.py
-  tests/runtime/test_distributed.py tests/runtime/test_fake_cuda.py)
+  tests/runtime/test_distributed.py tests/runtime/test_fake_cuda.py tests/runtime/test_fake_cuda_edges.py)
 SESSION=()
 "$PY" -P -c 'import inspect, pytest_timeout, sys; sys.exit("session_timeout" not in inspect.getsource(pytest_timeout))' \
   2>/dev/null && SESSION=(--session-timeout "$(($(limit cuda-tests) - 10))")
@@ -235,4 +263,5 @@ stage qwen2.5-14b --rows "$ROWS" -- "$PY" -P benchmarks/gpu_step.py --models "$B
 
 stage table -- bash -c '"$0" -P benchmarks/gpu/table.py "$1" --preflight "$2" --gpu "$3" > "$4" && cat "$4"' \
   "$PY" "$ROWS" "$OUT/preflight.json" "$GPU" "$OUT/results.md"
+depth_stage
 finish

@@ -5,10 +5,11 @@ Usage (run.sh calls it; plain Python, no torch, ~50 ms):
     summary.py init FILE --mode device|rehearse STAGE=LIMIT_S ...   every stage listed as "pending"
                [--set STAGE=STATUS --final]                     (one call: a run that stops at once)
     summary.py set FILE STAGE STATUS [--note TEXT] [--seconds S]     a stage's status as said
-    summary.py done FILE STAGE RC SECONDS [--rows F] [--junit F] [--note TEXT]
+    summary.py done FILE STAGE RC SECONDS [--rows F] [--junit F] [--json F] [--note TEXT]
     summary.py final FILE [--gpu NAME]                               overall status; exit 0 when every stage is ok
 `done` reads the status from what the stage left: the rows it appended to --rows (each row's "status", from
-gpu_step.py or peers.py), or a pytest junit file; an exit status of 124 or 137 is "cut off at its limit".
+gpu_step.py or peers.py), a pytest junit file, or a JSON object's "status" (--json: depth_throughput.py's, which
+rewrites it after each run); an exit status of 124 or 137 is "cut off at its limit".
 A status is ok when it starts with passed, measured, rehearsed or skipped (a skip says why, as a row does):
 pending, running, failed, error and cut off are not.
 """
@@ -72,7 +73,21 @@ def rows_status(path: str, stage: str) -> list[str]:
     return [r.get("status", "error: the row has no status") for r in rows if r.get("stage") == stage]
 
 
-def done(data: dict, name: str, rc: int, seconds: float, rows: str | None, junit: str | None, note: str) -> None:
+def json_status(path: str, rc: int, limit) -> str:
+    """The status a stage's JSON result states (cut off: what it had measured by then)."""
+    try:
+        said = load(path).get("status") or "error: the result has no status"
+    except (OSError, ValueError):
+        said = None
+    if rc in (124, 137):
+        return f"cut off at {limit} s" + (f" ({said})" if said else " before its result was written")
+    if said is None:
+        return f"failed: exit {rc} and no result written"
+    return said if rc == 0 or not ok(said) else f"failed: exit {rc} ({said})"
+
+
+def done(data: dict, name: str, rc: int, seconds: float, rows: str | None, junit: str | None, note: str,
+         result: str | None = None) -> None:
     s = _stage(data, name)
     s["seconds"] = round(seconds, 1)
     rehearse = data.get("mode") == "rehearse"
@@ -83,6 +98,8 @@ def done(data: dict, name: str, rc: int, seconds: float, rows: str | None, junit
         elif rc and status == "passed":  # pytest stopped before the end (its session timeout): not all ran
             status = f"failed: exit {rc}, the session stopped early"
         s["status"] = f"rehearsed: {counts}" if rehearse and status == "passed" else f"{status}: {counts}"
+    elif result:
+        s["status"] = json_status(result, rc, s["limit_s"])
     elif rows:
         got = rows_status(rows, name)
         if got:
@@ -110,6 +127,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="device")
     ap.add_argument("--rows")
     ap.add_argument("--junit")
+    ap.add_argument("--json", dest="result")
     ap.add_argument("--note", default="")
     ap.add_argument("--seconds", type=float, default=None)
     ap.add_argument("--gpu", default="")
@@ -138,7 +156,7 @@ def main(argv=None) -> int:
             s["seconds"] = round(a.seconds, 1)
     elif a.cmd == "done":
         name, rc, seconds = a.args[0], int(a.args[1]), float(a.args[2])
-        done(data, name, rc, seconds, a.rows, a.junit, a.note)
+        done(data, name, rc, seconds, a.rows, a.junit, a.note, a.result)
     else:
         return final(a.file, data, a.gpu)
     save(a.file, data)
