@@ -75,24 +75,30 @@ def json_lines(path: str | Path, what: str, error: type[Exception] = ValueError,
             read += len(raw)
             if cap is not None and read > cap:
                 raise error(f"{path}: larger than {cap:,} bytes, too large for {what}; check it is the right file")
-            where = f"{path}:{n}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise error(f"{where}: not UTF-8 text; re-save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno}); write one JSON object "
-                            "per line") from None
-            except (RecursionError, MemoryError, ValueError) as e:
-                raise error(f"{where}: not valid JSON ({type(e).__name__}: nested too deeply or too large); "
-                            "write one JSON object per line") from None
-            if json_depth(value) > MAX_JSON_DEPTH:
-                raise error(f"{where}: nested more than {MAX_JSON_DEPTH} levels deep; write flat records")
-            yield n, value
+            value = json_line(raw, f"{path}:{n}", error)
+            if value is not None:
+                yield n, value
+
+
+def json_line(raw: bytes, where: str, error=ValueError):
+    """One line of a JSONL file as its value (None for a blank line), or `error` naming `where`: not UTF-8,
+    not JSON, or nested deeper than MAX_JSON_DEPTH."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise error(f"{where}: not UTF-8 text; re-save the file as UTF-8") from None
+    if not line.strip():
+        return None
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno}); write one JSON object per line") from None
+    except (RecursionError, MemoryError, ValueError) as e:
+        raise error(f"{where}: not valid JSON ({type(e).__name__}: nested too deeply or too large); "
+                    "write one JSON object per line") from None
+    if json_depth(value) > MAX_JSON_DEPTH:
+        raise error(f"{where}: nested more than {MAX_JSON_DEPTH} levels deep; write flat records")
+    return value
 
 
 def json_depth(value, limit: int = MAX_JSON_DEPTH) -> int:

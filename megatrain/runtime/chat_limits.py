@@ -16,7 +16,6 @@ encodes with offsets, so a 16 MiB example takes gigabytes, and an allocation it 
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import stat
@@ -29,7 +28,7 @@ from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from megatrain.files import MAX_JSON_DEPTH, json_depth
+from megatrain.files import json_line
 
 MAX_EXAMPLE_BYTES = 4 << 20  # one JSONL record (one example)
 MAX_RENDER_CHARS = 6 << 20  # one rendered conversation: the largest record plus the template's own text
@@ -170,20 +169,6 @@ def bounded_json_lines(path: Path, error: type[Exception], cap: int | None = Non
             if len(raw) > cap and not raw.endswith(b"\n"):
                 raise error(f"{where}: a record of more than {cap:,} bytes, above the {cap >> 20} MiB an example may "
                             "hold; split the conversation or drop the line")
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise error(f"{where}: not UTF-8 text; re-save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise error(f"{where}: not valid JSON ({e.msg} at column {e.colno}); write one JSON object "
-                            "per line") from None
-            except (RecursionError, MemoryError, ValueError) as e:
-                raise error(f"{where}: not valid JSON ({type(e).__name__}: nested too deeply or too large); "
-                            "write one JSON object per line") from None
-            if json_depth(value) > MAX_JSON_DEPTH:
-                raise error(f"{where}: nested more than {MAX_JSON_DEPTH} levels deep; write flat records")
-            yield n, value
+            value = json_line(raw, where, error)
+            if value is not None:
+                yield n, value
