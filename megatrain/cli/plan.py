@@ -88,6 +88,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--sim-threads", type=int, default=None, metavar="N",
                    help="with --model on cpu: intra-op threads of the sim device's compute stream, as `train "
                    "--sim-threads` (default: torch's)")
+    r.add_argument("--refresh", action="store_true", help="with --model: measure again even if a profile is "
+                   "cached, and replace it in the cache")
     r.add_argument("--no-cache", action="store_true", help="with --model: measure again even if a profile is "
                    "cached, and do not write the cache")
     r.set_defaults(func=run_probe)
@@ -231,7 +233,8 @@ def run_probe(args: argparse.Namespace) -> int:
     model_only = [flag for flag, value, default in (
         ("--seq-len", args.seq_len, None), ("--micro-batch", args.micro_batch, 1), ("--dtype", args.dtype, "bf16"),
         ("--host-policy", args.host_policy, "exact"), ("--repeats", args.repeats, 7),
-        ("--sim-threads", args.sim_threads, None), ("--no-cache", args.no_cache, False)) if value != default]
+        ("--sim-threads", args.sim_threads, None), ("--no-cache", args.no_cache, False),
+        ("--refresh", args.refresh, False)) if value != default]
     if args.model is None and model_only:
         raise ValueError(f"{', '.join(model_only)} measure a model's units: add --model M (without it the probe "
                          "measures the machine alone)")
@@ -273,10 +276,14 @@ def _probe_model(args: argparse.Namespace) -> Hardware:
 
     ir = loading.trace_model(model_config(args), train.micro_batch, train.seq_len, train.dtype, device)
     threads = probe_threads(kind, args.sim_threads)
-    cached = None if args.no_cache else cached_hardware(ir, kind, threads)
+    if args.refresh and args.no_cache:
+        raise ValueError("--refresh replaces the cached profile and --no-cache leaves the cache alone: pass one")
+    cached = None if args.no_cache or args.refresh else cached_hardware(ir, kind, threads)
     if cached is not None and all(p in next(iter(cached.units.units.values())).optimizer_s for p in policies):
-        print(f"cached profile {cached.units.key} (measured {cached.units.measured_at}); --no-cache measures again")
+        print(f"cached profile {cached.units.key} (measured {cached.units.measured_at}); --refresh measures again "
+              "and replaces it")
         print(format_units(cached.units), end="")
+        _say_spread(cached.units)
         return cached
     machine = probe(device=device, quick=True)
     print(f"measuring {len(set(u.template for u in ir.units))} unit template(s) of {ir.model} on the {kind} device "
@@ -284,6 +291,7 @@ def _probe_model(args: argparse.Namespace) -> Hardware:
     hw = probe_hardware(ir, machine, kind, cache=not args.no_cache, policies=policies, repeats=args.repeats,
                         sim_threads=args.sim_threads)
     print(format_units(hw.units), end="")
+    _say_spread(hw.units)
     if not args.no_cache:
         from megatrain.planner.profile_cache import cache_path
 
@@ -291,3 +299,16 @@ def _probe_model(args: argparse.Namespace) -> Hardware:
     return hw
 
 
+def _say_spread(units) -> None:
+    """How far the timed rounds were apart; a warning when far enough that a busy machine is the likelier cause."""
+    import sys
+
+    from megatrain.runtime.unit_probe import SPREAD_WARN
+
+    if not units.spread:
+        return
+    (op, spread), = units.spread.items()
+    print(f"rounds agree within {spread:.0%} (interquartile range over median; widest: {op})")
+    if spread > SPREAD_WARN:
+        print(f"warning: the probe's rounds disagree by {spread:.0%} ({op}): the machine was probably busy; its "
+              "plans may be off. Measure again when it is idle: the same command with --refresh", file=sys.stderr)

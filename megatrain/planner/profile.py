@@ -98,6 +98,8 @@ class UnitProfile(IRModel):
     repeats: int = 0
     seconds: float = Field(0.0, description="how long the probe took")
     measured_at: str = ""
+    spread: dict[str, float] = Field(default_factory=dict, description="the op whose timed rounds disagreed most "
+                                     "('template op') -> its interquartile range over its median")
 
     def times_for(self, ir: ModelIR, template: str, carry_in: tuple[tuple[int, ...], ...]) -> UnitTimes | None:
         """The measured times of `template` if this profile was measured for `ir`'s shape, else None."""

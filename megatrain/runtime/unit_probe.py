@@ -61,6 +61,23 @@ PASS_MAX = 16
 # consecutive probes of one process disagreed on the compute stream's factor beside h2d, and the planner
 # stretched whole steps by whichever it got.
 CONTENTION_ROUNDS = 15
+SPREAD_OPS = ("forward_s", "backward_s", "recompute_backward_s", "load_s", "store_s")  # and each optimizer step
+SPREAD_WARN = 0.25  # rounds this far apart (interquartile range over median): the machine was busy
+
+
+def worst_spread(samples: dict[str, dict[str, list[float]]]) -> dict[str, float]:
+    """{'template op': spread} of the op whose rounds disagree most (interquartile range over median), among
+    each template's main ops; empty with fewer than four rounds, where quartiles say nothing."""
+    worst: tuple[float, str] | None = None
+    for template, got in samples.items():
+        for op, xs in got.items():
+            if len(xs) < 4 or not (op in SPREAD_OPS or op.startswith("opt:")) or statistics.median(xs) <= 0:
+                continue
+            q1, _, q3 = statistics.quantiles(xs, n=4)
+            spread = (q3 - q1) / statistics.median(xs)
+            if worst is None or spread > worst[0]:
+                worst = (spread, f"{template} {op}")
+    return {worst[1]: round(worst[0], 4)} if worst else {}
 
 
 def device_name(kind: str) -> str:
@@ -426,6 +443,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
                   loss_chunk=loss_chunk, threads=used, compiled=False)
     return UnitProfile(key=profile_key(**fields), model=ir.model, dispatch_s=dispatch, event_latency_s=latency,
                        step_gap_s=gap, contention=contention, units=units, repeats=repeats, seconds=time.perf_counter() - t0,
+                       spread=worst_spread({e.unit.template: got for e, got in zip(engines, samples)}),
                        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), **fields)
 
 

@@ -130,3 +130,31 @@ def test_kept_graphs_are_timed_as_a_pass_and_the_round_leaves_the_device_as_it_f
         e.store.close()
     finally:
         device.close()
+
+
+def test_the_spread_of_the_rounds_names_the_op_that_varied_most():
+    from megatrain.runtime.unit_probe import worst_spread
+
+    steady, noisy = [1.0, 1.0, 1.01, 0.99, 1.0], [1.0, 2.0, 1.0, 3.0, 1.5]
+    got = worst_spread({"block": {"forward_s": steady, "opt:exact": noisy, "dispatch": [9.0, 1.0, 5.0, 7.0]},
+                        "head": {"load_s": steady}})
+    assert got == {"block opt:exact": 1.0}  # quartiles 1.0 and 2.5 over a median of 1.5; dispatch is not a main op
+    assert worst_spread({"block": {"forward_s": [1.0, 2.0, 3.0]}}) == {}  # three rounds: no quartiles
+
+
+def test_refresh_measures_again_and_replaces_the_cache(profiles, capsys):
+    from megatrain.cli import main
+
+    args = ["probe", "--device", "cpu", "--model", "tiny", "--seq-len", "16", "--micro-batch", "1", "--dtype",
+            "fp32", "--repeats", "4"]
+    assert main(args) == 0
+    (cached,) = profiles.glob("hardware-*.json")
+    first = cached.read_text()
+    out = capsys.readouterr().out
+    assert "rounds agree within" in out
+    assert main([*args, "--refresh"]) == 0
+    out = capsys.readouterr().out
+    assert "measuring" in out and "cached as" in out and cached.read_text() != first  # measured anew, replaced
+    assert main(args) == 0 and "--refresh measures again" in capsys.readouterr().out
+    assert main([*args, "--refresh", "--no-cache"]) == 2
+    assert "pass one" in capsys.readouterr().err
