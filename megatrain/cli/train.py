@@ -198,13 +198,10 @@ def _data_paths(cfg) -> tuple[str, str | None]:
         _need(cfg.val_data or not cfg.eval_every, f"--eval-every {cfg.eval_every} with --data needs --val-data FILE "
               "(held-out tokens of the same data; `megatrain prepare` writes train.bin and val.bin)")
         return cfg.data, cfg.val_data
-    from megatrain.runtime.corpus import cached_default_corpus
+    from megatrain.runtime.build import default_corpus
 
-    # a model folder with its own tokenizer trains on the default corpus tokenized with it
-    model = Path(cfg.model) if isinstance(cfg.model, str) else None
-    tokenizer = model if model and model.is_dir() and (model / "tokenizer.json").is_file() else None
-    train_path, val_path = cached_default_corpus(tokenizer=tokenizer)
-    return str(train_path), cfg.val_data or str(val_path)
+    train_path, val_path = default_corpus(cfg.model)
+    return train_path, cfg.val_data or val_path
 
 
 def _need(ok: bool, message: str) -> None:

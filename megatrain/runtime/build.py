@@ -51,6 +51,17 @@ def model_of(cfg: RunConfig):
     return (with_depth(config, cfg.depth_mixing) if cfg.depth_mixing else config), folder
 
 
+def default_corpus(model) -> tuple[str, str]:
+    """(train, val) token files of the built-in corpus, what a run without data trains on (the CLI's and the
+    Python API's alike): tokenized with a model folder's own tokenizer when it has one, else bytes."""
+    from .corpus import cached_default_corpus
+
+    folder = Path(model) if isinstance(model, str) else None
+    tokenizer = folder if folder and folder.is_dir() and (folder / "tokenizer.json").is_file() else None
+    train_path, val_path = cached_default_corpus(tokenizer=tokenizer)
+    return str(train_path), str(val_path)
+
+
 def open_data(path, config, model_dir: Path | None) -> TokenFile:
     """A token file checked against the model: its ids fit the vocabulary, and a model folder with its own
     tokenizer trains only on data made with that tokenizer."""

@@ -243,21 +243,24 @@ class Trainer:
                                                               pack=self.pack))
         return evaluate(self.engine, eval_batches(self.val_data, t.micro_batch, t.seq_len, n_batches))
 
-    def run(self, steps: int, log_every: int | None = None, eval_every: int | None = None,
+    def run(self, steps: int | None = None, log_every: int | None = None, eval_every: int | None = None,
             progress: bool | None = None, handle_signals: bool = True) -> list[dict]:
-        """Train `steps` optimizer steps from the current step; returns the logged records (`log_every`,
+        """Train `steps` optimizer steps from the current step (default: the rest of the configured run, to
+        `train.total_steps`); returns the logged records (`log_every`,
         `eval_every` and `progress` default to the RunConfig's). Checkpoints every `checkpoint_every` steps
         and after the last one. With `handle_signals` (in the main thread), SIGTERM and SIGINT stop the run
         after the step in flight: a checkpoint is written when checkpointing is configured and `Preempted` is
         raised; a second signal ends the process at once."""
         cfg = self.run_config
+        steps = self.train.total_steps - self.step if steps is None else steps
         log_every = cfg.log_every if log_every is None else log_every
         eval_every = cfg.eval_every if eval_every is None else eval_every
         progress = not cfg.no_progress if progress is None else progress
         if self._closed:
             raise ValueError("this Trainer is closed: build a new one (resume=DIR continues from a checkpoint)")
         if self.batcher is None:
-            raise ValueError("no training data: pass data=PATH (see `megatrain prepare`)")
+            raise ValueError("no training data: pass data=PATH (see `megatrain prepare`), or the built-in corpus the "
+                             "CLI trains on: data, val_data = megatrain.runtime.build.default_corpus(model)")
         for name, value, least in (("steps", steps, 0), ("log_every", log_every, 1), ("eval_every", eval_every, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
