@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from megatrain.runtime.timeline import MeasuredSeries
 
 FORMATS = (".png", ".svg")
-INSTALL = "--plot needs matplotlib: pip install 'megatrain[plot]'"
+INSTALL = "--plot needs matplotlib: pip install matplotlib (from the megatrain checkout: pip install -e '.[plot]')"
 LAYER_COLORS = {"param_slot": "#4c72b0", "grad_slot": "#dd8452", "static": "#937860", "checkpoint": "#55a868",
                 "grad_carry": "#8172b3", "workspace": "#c44e52", "loss_chunk": "#da8bc3",
                 "reserve": "#e0e0e0"}

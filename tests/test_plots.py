@@ -228,7 +228,7 @@ def test_plot_without_matplotlib_is_one_line_before_any_work(argv, tmp_path, mon
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
     assert main([a.format(tmp=tmp_path) for a in argv]) == 2
     err = capsys.readouterr().err
-    assert err == "error: --plot needs matplotlib: pip install 'megatrain[plot]'\n"
+    assert err == "error: --plot needs matplotlib: pip install matplotlib (from the megatrain checkout: pip install -e '.[plot]')\n"
 
 
 @pytest.mark.parametrize("name, message", [("p.pdf", "use .png or .svg"), ("sub.png", "is a folder")])

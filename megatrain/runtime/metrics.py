@@ -114,7 +114,7 @@ def tensorboard_writer(logdir: str | Path | None = None, check_only: bool = Fals
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise ValueError("--tensorboard needs the tensorboard package: pip install 'megatrain[tensorboard]' (or "
-                         "pip install tensorboard), or drop --tensorboard (the --metrics JSONL holds the same "
+        raise ValueError("--tensorboard needs the tensorboard package: pip install tensorboard (from the megatrain "
+                         "checkout: pip install -e '.[tensorboard]'), or drop --tensorboard (the --metrics JSONL holds the same "
                          "records)") from None
     return None if check_only else SummaryWriter(log_dir=str(logdir))

@@ -253,7 +253,7 @@ class Tokenizer:
             import tokenizers
         except ImportError:
             raise DataError("loading a Hugging Face tokenizer needs the `tokenizers` package: "
-                            "pip install 'megatrain[hf]'") from None
+                            "pip install tokenizers (from the megatrain checkout: pip install -e '.[hf]')") from None
         raw = read_file_bytes(tokenizer_json)
         try:
             backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))

@@ -47,7 +47,7 @@ def test_train_plot_draws_the_last_step(tmp_path, data, capsys):
 
 
 @pytest.mark.parametrize("plot, blocked, needle", [
-    ("run.png", True, "--plot needs matplotlib: pip install 'megatrain[plot]'"),
+    ("run.png", True, "--plot needs matplotlib: pip install matplotlib"),
     ("run.jpg", False, "use .png or .svg"),
 ])
 def test_a_bad_plot_is_refused_before_training(tmp_path, data, monkeypatch, capsys, plot, blocked, needle):
