@@ -56,11 +56,13 @@ def read_regular(path: str | Path, cap: int, what: str, error: type[Exception] =
     return data
 
 
-def json_lines(path: str | Path, what: str, error: type[Exception] = ValueError,
-               cap: int | None = None) -> Iterator[tuple[int, object]]:
+def json_lines(path: str | Path, what: str, error: type[Exception] = ValueError, cap: int | None = None,
+               line_cap: int | None = None, too_long: str = "too long to read; split the record or drop the line"
+               ) -> Iterator[tuple[int, object]]:
     """(line number, parsed value) of each non-blank line of the JSON Lines file `path`, read line by line (a
     regular file only, at most `cap` bytes if given) with the nesting limit; a line that is not UTF-8 or not
-    JSON raises `error` naming the file and the line."""
+    JSON raises `error` naming the file and the line, and so does a line of more than `line_cap` bytes, before
+    it is held whole (`too_long`: what to do about it)."""
     path = Path(path)
     try:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
@@ -70,11 +72,14 @@ def json_lines(path: str | Path, what: str, error: type[Exception] = ValueError,
     with f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise error(f"{path}: not a regular file; pass {what} itself")
-        read = 0
-        for n, raw in enumerate(f, start=1):
+        read, n = 0, 0
+        while raw := f.readline(-1 if line_cap is None else line_cap + 1):
+            n += 1
             read += len(raw)
             if cap is not None and read > cap:
                 raise error(f"{path}: larger than {cap:,} bytes, too large for {what}; check it is the right file")
+            if line_cap is not None and len(raw) > line_cap and not raw.endswith(b"\n"):
+                raise error(f"{path}:{n}: a record of more than {line_cap:,} bytes, {too_long}")
             value = json_line(raw, f"{path}:{n}", error)
             if value is not None:
                 yield n, value

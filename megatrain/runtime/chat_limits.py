@@ -16,9 +16,7 @@ encodes with offsets, so a 16 MiB example takes gigabytes, and an allocation it 
 from __future__ import annotations
 
 import functools
-import os
 import signal
-import stat
 import sys
 import threading
 import time
@@ -28,7 +26,7 @@ from pathlib import Path
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from megatrain.files import json_line
+from megatrain.files import json_lines
 
 MAX_EXAMPLE_BYTES = 4 << 20  # one JSONL record (one example)
 MAX_RENDER_CHARS = 6 << 20  # one rendered conversation: the largest record plus the template's own text
@@ -153,22 +151,6 @@ def bounded_json_lines(path: Path, error: type[Exception], cap: int | None = Non
     """(line number, value) of each non-blank line of a JSONL file, a line of more than `cap` bytes
     (MAX_EXAMPLE_BYTES) refused by its number before it is held whole, parsed or tokenized."""
     cap = MAX_EXAMPLE_BYTES if cap is None else cap
-    what = "an instruction JSONL file"
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        f = open(fd, "rb")
-    except OSError as e:
-        raise error(f"{path}: cannot read {what} ({e.strerror}); check the path exists and is readable") from None
-    with f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise error(f"{path}: not a regular file; pass {what} itself")
-        n = 0
-        while raw := f.readline(cap + 1):
-            n += 1
-            where = f"{path}:{n}"
-            if len(raw) > cap and not raw.endswith(b"\n"):
-                raise error(f"{where}: a record of more than {cap:,} bytes, above the {cap >> 20} MiB an example may "
-                            "hold; split the conversation or drop the line")
-            value = json_line(raw, where, error)
-            if value is not None:
-                yield n, value
+    yield from json_lines(path, "an instruction JSONL file", error, line_cap=cap,
+                          too_long=f"above the {cap >> 20} MiB an example may hold; split the conversation or drop "
+                          "the line")
