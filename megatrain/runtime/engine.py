@@ -46,7 +46,7 @@ from megatrain.models.replay import Record, record_attention
 
 from .compiled import runners
 from .distributed import local_batch
-from .evaluation import Evaluation, evaluate
+from .evaluation import Evaluation
 from .moe_logs import RoutingLogs
 from .spans import Spans
 from .staging import Staging
@@ -55,7 +55,7 @@ from .stream_device import Device
 from .unit_runner import UnitRunner
 from .world_ops import WorldOps
 
-__all__ = ["Engine", "evaluate"]
+__all__ = ["Engine"]
 
 
 class Engine(UnitRunner, Spans, RoutingLogs, WorldOps, Evaluation):

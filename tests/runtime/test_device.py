@@ -317,6 +317,7 @@ def _validation_trainer(n_batches):
 def test_validation_runs_on_the_compute_stream(monkeypatch):
     """evaluate() submits its work to the compute stream (on CUDA: its stream and its pool), not the caller's."""
     from megatrain.runtime import engine as engine_mod
+    from megatrain.runtime import evaluation
 
     seen = []
     real = engine_mod.Engine._run
@@ -328,7 +329,7 @@ def test_validation_runs_on_the_compute_stream(monkeypatch):
     monkeypatch.setattr(engine_mod.Engine, "_run", run)
     tr, batches = _validation_trainer(2)
     with tr:
-        assert 3 < engine_mod.evaluate(tr.engine, batches) < 8
+        assert 3 < evaluation.evaluate(tr.engine, batches) < 8
     assert seen and set(seen) == {"megatrain-sim-compute"}
 
 
@@ -338,7 +339,7 @@ def test_validation_reads_the_device_once_whatever_the_batches(monkeypatch, n_ba
     stream): no float() or item() per batch. Counted on the compute stream, where evaluate's work runs."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatrain.runtime import engine as engine_mod
+    from megatrain.runtime import evaluation
 
     reads = []
 
@@ -359,5 +360,5 @@ def test_validation_reads_the_device_once_whatever_the_batches(monkeypatch, n_ba
 
     with tr:
         monkeypatch.setattr(tr.engine.device, "submit", counted)
-        loss = engine_mod.evaluate(tr.engine, batches)
+        loss = evaluation.evaluate(tr.engine, batches)
     assert len(reads) == 1 and 3 < loss < 8, (reads, loss)
