@@ -461,3 +461,17 @@ def test_hostile_task_files_and_vab_flags_are_one_line(tmp_path):
     ]
     for argv, message in cases:
         one_line(*run(argv)[::2], message)
+
+
+def test_a_resumed_run_replaces_the_records_of_the_steps_it_redoes(tmp_path, data):
+    # A run killed after its step-2 checkpoint had logged steps 3 and 4; resumed at 2 it redoes them, so their
+    # old records leave the log and each step keeps one record
+    metrics, ck = tmp_path / "m.jsonl", tmp_path / "ck"
+    assert run([*TRAIN, "--data", data[0], "--checkpoint-dir", ck, "--checkpoint-every", "2"])[0] == 0
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 9.0}) + "\n" for s in (1, 2, 3, 4)) + "not json\n")
+    code, _, err = run(["train", "--resume", ck / "step-00000002", "--steps", "4", "--metrics", metrics])
+    assert code == 0 and "2 record(s) of steps after 2 left the log" in err
+    lines = metrics.read_text().splitlines()
+    assert lines[:3] == ['{"step": 1, "loss": 9.0}', '{"step": 2, "loss": 9.0}', "not json"]
+    assert [json.loads(line)["step"] for line in lines[3:]] == [3, 4]
+    assert all(json.loads(line)["loss"] != 9.0 for line in lines[3:])

@@ -16,7 +16,7 @@ import contextlib
 import json
 from pathlib import Path
 
-from megatrain.files import append_open
+from megatrain.files import append_open, atomic_open, json_line
 
 
 def check_new_log(path: str | Path | None, resuming: bool) -> None:
@@ -26,6 +26,26 @@ def check_new_log(path: str | Path | None, resuming: bool) -> None:
         return
     raise ValueError(f"--metrics {path} holds an earlier run's records, and a new run does not append to them: "
                      "remove or rename it, pass another --metrics file, or --resume the run that wrote it")
+
+
+def drop_redone(path: str | Path | None, step: int) -> int:
+    """A run resumed at checkpoint `step` redoes the steps after it: the records a killed run wrote for them
+    leave its log (else a step would have two records); every other line is kept byte for byte, a torn one
+    too (append_open ends it). Replaced atomically; returns how many records left."""
+    if not path or not Path(path).is_file():
+        return 0
+    dropped = 0
+    with open(path, "rb") as src, atomic_open(path, "wb", "--metrics") as out:
+        for n, raw in enumerate(src, 1):
+            try:
+                rec = json_line(raw, f"{path}:{n}")
+            except ValueError:
+                rec = None
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] > step:
+                dropped += 1
+            else:
+                out.write(raw)
+    return dropped
 
 
 class MetricsLog:

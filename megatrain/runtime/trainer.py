@@ -145,6 +145,9 @@ class Trainer:
             self.checkpoints.load(manifest, self.store, self.device)
             self.step = manifest["step"]
             self.engine.step_index = self.step  # the device treats the previous step's events as done
+            if self.rank == 0 and (n := metric_logs.drop_redone(self.metrics_path, self.step)):
+                print(f"--metrics {self.metrics_path}: {n} record(s) of steps after {self.step} left the log "
+                      "(this run redoes those steps)", file=sys.stderr, flush=True)
             self.plan_changed = manifest.get("plan_sha256") != self.plan_sha256
         else:  # NOTE: training draws no random numbers today; if it ever does, a run stays a function of
             torch.manual_seed(self.train.seed)  # (seed, step): seeded here, restored from a checkpoint on resume
