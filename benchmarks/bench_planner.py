@@ -1,4 +1,5 @@
-"""Planner speed: planning llama3-70b and dense-120b well under a second; a 32-configuration tune under ten.
+"""Planner speed: llama3-70b and dense-120b in about a second (the residency pass included); a 32-configuration
+tune under ten.
 
 Run: `make bench` or `.venv/bin/python -m pytest benchmarks/bench_planner.py --benchmark-only -o addopts=""`.
 Traces are made once per module (tracing has its own benchmark, bench_trace.py); `test_tune_end_to_end`

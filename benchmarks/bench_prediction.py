@@ -62,7 +62,18 @@ CASES = {
     "hc4-1": ("hc", 2, 64, 1, 10 * MiB),
     "moe-4": ("moe-tiny", 2, 64, 4, 8 * MiB),
     "moe-1": ("moe-tiny", 2, 64, 1, 8 * MiB),
+    "small-res-1": ("small", 2, 128, 1, 300 * MiB),
+    "small-res-4": ("small", 2, 128, 4, 300 * MiB),
 }
+# where the units' state lives (RunConfig.resident); the others plan with the default, auto. On the sim device
+# the compute binds small, so auto streams every unit: these cases force the first units' state onto the
+# device (issue 40), their optimizer step a device_step on the compute stream
+RESIDENT = {"small-res-1": 4, "small-res-4": 4}
+
+
+def _resident(name: str, ir) -> str | dict:
+    count = RESIDENT.get(name)
+    return "auto" if count is None else {u.name: "device" for u in ir.units[:count]}
 
 
 def _config(name: str):
@@ -112,14 +123,17 @@ def _worker(name: str, threads: int, repeats: int, steps: int) -> None:
     config, spec = _config(model), _spec(mb, seq, accum)
     machine = probe(device="cpu", quick=True)
     hw = _probed(config, spec, machine, repeats)
-    with Trainer(RunConfig(model=config, train=spec, gpu_mem=budget, hardware=hw, device="sim")) as tr:
+    resident = _resident(name, _traced(config, spec))
+    with Trainer(RunConfig(model=config, train=spec, gpu_mem=budget, hardware=hw, device="sim",
+                           resident=resident)) as tr:
         if tr.plan.hardware.units is None:
             raise SystemExit(f"{name}: the plan did not use the unit profile")
         run = {"trainer": tr, "ir": _traced(config, spec)}
         batch = _batch(config.vocab_size, mb, seq, accum, 0)
         p = tr.plan
         print(json.dumps({"model": p.ir.model, "micro_batch": mb, "seq_len": seq, "grad_accum": accum,
-                          "budget_mib": budget / MiB, "slots": p.n_slots, "predicted_s": p.step_time_s}), flush=True)
+                          "budget_mib": budget / MiB, "slots": p.n_slots, "predicted_s": p.step_time_s,
+                          "resident": len(p.resident_units)}), flush=True)
         for line in sys.stdin:
             fresh = _fresh_prediction(run, machine, repeats) if line.strip() == "reprobe" else None
             first = tr.engine.step_index
@@ -193,8 +207,8 @@ def main(argv=None) -> int:
             cases.append(c)
             i = c.info
             print(f"{name}: {i['model']} mb {i['micro_batch']} x {i['seq_len']}, {i['grad_accum']} micro-batch(es), "
-                  f"budget {i['budget_mib']:.0f} MiB, {i['slots']} slot(s), predicted {i['predicted_s'] * 1e3:.1f} ms",
-                  flush=True)
+                  f"budget {i['budget_mib']:.0f} MiB, {i['slots']} slot(s), {i['resident']} resident unit(s), "
+                  f"predicted {i['predicted_s'] * 1e3:.1f} ms", flush=True)
         for r in range(args.rounds + 1):
             for c in cases:
                 c.round(reprobe=bool(r) and args.reprobe, measured=bool(r))
@@ -207,17 +221,18 @@ def main(argv=None) -> int:
         i, measured = c.info, statistics.median(c.times)
         rows.append({"case": c.name, "model": i["model"], "micro_batch": i["micro_batch"], "seq_len": i["seq_len"],
                      "grad_accum": i["grad_accum"], "budget_mib": i["budget_mib"], "slots": i["slots"],
+                     "resident": i["resident"],
                      "predicted_ms": i["predicted_s"] * 1e3, "measured_ms": measured * 1e3,
                      "ratio": measured / i["predicted_s"], "ratio_min": min(c.ratios), "ratio_max": max(c.ratios),
                      "fresh_ratio": statistics.median(c.fresh) if c.fresh else None, "fresh_ratios": c.fresh})
     fresh = " | measured/fresh-probe predicted (median; per round) |" if args.reprobe else " |"
-    print("\n| case | model | micro-batches | budget | slots | predicted ms | measured ms | measured/predicted "
-          f"| per-round range{fresh}\n|---|---|---|---|---|---|---|---|---|{'---|' if args.reprobe else ''}")
+    print("\n| case | model | micro-batches | budget | slots | resident | predicted ms | measured ms | measured/predicted "
+          f"| per-round range{fresh}\n|---|---|---|---|---|---|---|---|---|---|{'---|' if args.reprobe else ''}")
     for x in rows:
         extra = (f" {x['fresh_ratio']:.2f}; {', '.join(f'{v:.2f}' for v in x['fresh_ratios'])} |"
                  if args.reprobe else "")
         print(f"| {x['case']} | {x['model']} | {x['grad_accum']} x {x['micro_batch']}x{x['seq_len']} | "
-              f"{x['budget_mib']:.0f} MiB | {x['slots']} | {x['predicted_ms']:.1f} | {x['measured_ms']:.1f} | "
+              f"{x['budget_mib']:.0f} MiB | {x['slots']} | {x['resident']} | {x['predicted_ms']:.1f} | {x['measured_ms']:.1f} | "
               f"{_mark(x['ratio'])} | {x['ratio_min']:.2f}-{x['ratio_max']:.2f} |{extra}")
     within = sum(abs(x["ratio"] - 1) <= 0.10 for x in rows)
     print(f"\nwithin 10% (bold): {within} of {len(rows)}")

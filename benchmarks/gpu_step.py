@@ -105,7 +105,7 @@ def plan_case(case: str, args):
     target = "cuda" if args.device == "cuda" else "cpu"
     try:
         p = plan(trace(config, spec.micro_batch, seq, spec.dtype, target=target), hw, spec, budget,
-                 host_policy=args.host_policy)
+                 host_policy=args.host_policy, resident=args.resident)
     except ValueError as e:
         return config, spec, hw, None, {**row, "skipped": f"no plan: {e}"}
     placements: dict[str, int] = {}
@@ -113,7 +113,8 @@ def plan_case(case: str, args):
         placements[u.placement] = placements.get(u.placement, 0) + 1
     row.update({"params": p.ir.params_total, "host_policy": p.host_policy, "host_bytes": p.host_bytes,
                 "predicted_step_s": p.step_time_s, "predicted_tokens_per_s": p.tokens_per_s,
-                "bottleneck": p.bottleneck, "unit_placements": placements})
+                "bottleneck": p.bottleneck, "unit_placements": placements, "resident": args.resident,
+                "resident_units": list(p.resident_units)})
     return config, spec, hw, p, row
 
 
@@ -134,7 +135,8 @@ def run_case(case: str, args) -> dict:
     batch = [(torch.randint(0, config.vocab_size, shape, generator=g),
               torch.randint(0, config.vocab_size, shape, generator=g)) for _ in range(spec.grad_accum)]
     t0 = time.perf_counter()
-    t = Trainer(RunConfig(model=config, train=spec, gpu_mem=p.gpu_budget_bytes, hardware=hw, device=args.device), plan=p)
+    t = Trainer(RunConfig(model=config, train=spec, gpu_mem=p.gpu_budget_bytes, hardware=hw, device=args.device,
+                          resident=args.resident), plan=p)
     try:
         setup_s = time.perf_counter() - t0
         _say(f"{case}: host store allocated and pinned in {setup_s:.1f} s")
@@ -194,6 +196,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", default="h200", help="a preset or a profile file (run.sh: the preflight's)")
     ap.add_argument("--host-mem", default=None, help="host memory to plan with, overriding the profile's")
     ap.add_argument("--host-policy", default="auto")
+    ap.add_argument("--resident", choices=["auto", "none"], default="auto",
+                    help="where units' state lives (the planner's residency pass): auto, or none (every unit streamed)")
     ap.add_argument("--gpu-mem", default="40GiB")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--micro-batch", type=int, default=1)

@@ -82,7 +82,7 @@ class _Shadow:
         named = list(self.model.named_parameters())
         self.params = [p.detach() for _, p in named]
         self.decay = [decays(n, tuple(p.shape)) for n, p in named]
-        self.moments = [new_moments(self.policy, tuple(p.shape)) for p in self.params]
+        self.moments = [new_moments(self.policy, tuple(p.shape), n) for n, p in named]
         self.steps = [torch.zeros(()) for _ in self.params]
 
     def step(self, grads: list[torch.Tensor], clip: torch.Tensor, spec: TrainSpec, lr: float) -> None:

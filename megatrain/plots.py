@@ -23,12 +23,13 @@ if TYPE_CHECKING:
 
 FORMATS = (".png", ".svg")
 INSTALL = "--plot needs matplotlib: pip install matplotlib (from the megatrain checkout: pip install -e '.[plot]')"
-LAYER_COLORS = {"param_slot": "#4c72b0", "grad_slot": "#dd8452", "static": "#937860", "checkpoint": "#55a868",
+LAYER_COLORS = {"param_slot": "#4c72b0", "grad_slot": "#dd8452", "device_state": "#64b5cd", "static": "#937860", "checkpoint": "#55a868",
                 "grad_carry": "#8172b3", "workspace": "#c44e52", "loss_chunk": "#da8bc3",
                 "reserve": "#e0e0e0"}
 OP_COLORS = {"forward": "#4c72b0", "backward": "#1f3b66", "load_params": "#dd8452", "load_act": "#f0b27a",
              "store_grads": "#55a868", "offload_act": "#a6d8b0", "optimizer_step": "#8172b3",
-             "clip_grads": "#c44e52", "alloc": "#999999", "free": "#999999"}
+             "clip_grads": "#c44e52", "device_step": "#b07aa1", "store_norms": "#8cd17d", "alloc": "#999999",
+             "free": "#999999"}
 PREVIOUS = "#c8c8c8"
 RUN_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf")
 STYLE = {"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8,
@@ -354,34 +355,63 @@ MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
 def front_figure(points: list[TunePoint], title: str):
-    """Step time and tokens/s against GPU budget, a series per micro-batch (and DepthSSD rank), the Pareto
-    front over (budget, tokens/s) marked; infeasible cells as crosses in a strip below, a row per series."""
+    """Step time and tokens/s against GPU budget, a series per micro-batch (and DepthSSD rank, micro-batches per
+    step and state-place request, where the grid has several), the Pareto front over (budget, tokens/s) marked;
+    infeasible cells as crosses in a strip below, a row per series."""
     from matplotlib.figure import Figure
 
     largest = max(p.budget_bytes for p in points)
     bscale, bname = byte_unit(largest)
     ranks = sorted({p.depth_rank for p in points}, key=lambda r: -1 if r is None else r)
     mbs = sorted({p.micro_batch for p in points})
+    accums = sorted({p.grad_accum for p in points})
+    places = sorted({p.resident for p in points})
+    # a series: its rank, micro-batch, micro-batches per step and state place; colour by (micro-batch, accum),
+    # marker by rank, line style by place
+    series = [(r, mb, k, res) for r in ranks for mb in mbs for k in accums for res in places]
+    colours = [(mb, k) for mb in mbs for k in accums]
+
+    def of(p) -> tuple:
+        return (p.depth_rank, p.micro_batch, p.grad_accum, p.resident)
+
+    def label(key: tuple, short: bool = False) -> str:
+        rank, mb, k, res = key
+        parts = [f"mb {mb}" if short else f"micro-batch {mb}"]
+        if len(accums) > 1:
+            parts.append(f"accum {k}")
+        if len(places) > 1:
+            parts.append(f"resident {res}")
+        if rank is not None:
+            parts.append(f"N={rank}")
+        return ", ".join(parts)
+
+    def infeasible_gid(key: tuple) -> str:
+        rank, mb, k, res = key
+        extra = (f":{k}" if len(accums) > 1 else "") + (f":{res}" if len(places) > 1 else "")
+        return f"infeasible:{mb}:{rank}{extra}"
+
     with _style():
         fig = Figure(figsize=(10, 7.5), layout="constrained")
-        cells = [(r, mb) for r in ranks for mb in mbs if any(not p.feasible and p.depth_rank == r and
-                                                               p.micro_batch == mb for p in points)]
+        cells = [key for key in series if any(not p.feasible and of(p) == key for p in points)]
         axes = fig.subplots(3 if cells else 2, 1, sharex=True,
                             height_ratios=[3, 3, 0.35 + 0.25 * len(cells)] if cells else [1, 1])
         top, bottom = axes[0], axes[1]
         ring = "Pareto front" + (" (per N)" if ranks != [None] else "")
-        for ri, rank in enumerate(ranks):
-            for mi, mb in enumerate(mbs):
-                cell = sorted((p for p in points if p.feasible and p.depth_rank == rank
-                               and p.micro_batch == mb), key=lambda p: p.budget_bytes)
-                if not cell:
-                    continue
-                name = f"micro-batch {mb}" + ("" if rank is None else f", N={rank}")
-                style = {"color": RUN_COLORS[mi % len(RUN_COLORS)], "marker": MARKERS[ri % len(MARKERS)],
-                         "linestyle": ("-", "--", ":", "-.")[ri % 4], "linewidth": 1.2, "markersize": 5}
-                xs = [p.budget_bytes / bscale for p in cell]
-                top.plot(xs, [p.step_time_s for p in cell], label=name, gid=f"step:{name}", **style)
-                bottom.plot(xs, [p.tokens_per_s for p in cell], gid=f"tokens:{name}", **style)
+        for key in series:
+            rank, mb, k, res = key
+            cell = sorted((p for p in points if p.feasible and of(p) == key), key=lambda p: p.budget_bytes)
+            if not cell:
+                continue
+            name = label(key)
+            ri = ranks.index(rank)
+            style = {"color": RUN_COLORS[colours.index((mb, k)) % len(RUN_COLORS)],
+                     "marker": MARKERS[ri % len(MARKERS)],
+                     "linestyle": ("-", "--", ":", "-.")[(ri + places.index(res)) % 4], "linewidth": 1.2,
+                     "markersize": 5}
+            xs = [p.budget_bytes / bscale for p in cell]
+            top.plot(xs, [p.step_time_s for p in cell], label=name, gid=f"step:{name}", **style)
+            bottom.plot(xs, [p.tokens_per_s for p in cell], gid=f"tokens:{name}", **style)
+        for rank in ranks:
             front = sorted((p for p in points if p.depth_rank == rank and p.pareto),
                            key=lambda p: p.budget_bytes)
             if front:
@@ -394,18 +424,20 @@ def front_figure(points: list[TunePoint], title: str):
                 ring = None  # one legend entry for the rings
                 bottom.step(fx, [p.tokens_per_s for p in front], where="post", color="black", alpha=0.35,
                             linewidth=3, zorder=1, gid=f"front{tag}")
+                at: dict[tuple, list] = {}  # rows that tie (auto streaming every unit, as none does) share a label
                 for p in front:
-                    bottom.annotate(f"mb {p.micro_batch}{tag}: {p.bottleneck}", (p.budget_bytes / bscale,
-                                    p.tokens_per_s), xytext=(6, -12), textcoords="offset points", fontsize=7)
+                    at.setdefault((p.budget_bytes, p.tokens_per_s), []).append(p)
+                for (b, tps), ps in at.items():
+                    more = f" (+{len(ps) - 1} tied)" if len(ps) > 1 else ""
+                    bottom.annotate(f"{label(of(ps[0]), short=True)}{more}: {ps[0].bottleneck}", (b / bscale, tps),
+                                    xytext=(6, -12), textcoords="offset points", fontsize=7)
         if cells:  # a row of crosses per series that has infeasible budgets
             strip = axes[2]
-            for y, (rank, mb) in enumerate(reversed(cells)):
-                bad = [p for p in points if not p.feasible and p.depth_rank == rank and p.micro_batch == mb]
+            for y, key in enumerate(reversed(cells)):
+                bad = [p for p in points if not p.feasible and of(p) == key]
                 strip.scatter([p.budget_bytes / bscale for p in bad], [y] * len(bad), marker="x",
-                              color=RUN_COLORS[mbs.index(mb) % len(RUN_COLORS)],
-                              gid=f"infeasible:{mb}:{rank}")
-            strip.set_yticks(range(len(cells)), [f"mb {mb}" + ("" if r is None else f", N={r}")
-                                                 for r, mb in reversed(cells)])
+                              color=RUN_COLORS[colours.index(key[1:3]) % len(RUN_COLORS)], gid=infeasible_gid(key))
+            strip.set_yticks(range(len(cells)), [label(key, short=True) for key in reversed(cells)])
             strip.set_ylim(-0.6, len(cells) - 0.4)
             strip.set_title("infeasible: too little budget for these cells", loc="left", fontsize=8)
             strip.tick_params(axis="y", length=0)

@@ -27,6 +27,9 @@
 #                choose_case: the largest llama2-7b truncation all three hold in the host memory, cut
 #                to what a run's limit allows by the preflight's rates), 28 s each                   168
 #   qwen2.5-14b  qwen2.5-14b at 4096 tokens under the host policy that fits (gpu_step.py)            72
+#   headline-streamed  optional: the headline again with every unit streamed (--resident none), the plan
+#                the residency pass replaced, so the two are measured on one machine; runs only when the
+#                run's budget has STREAMED_MIN_S (60) left, under the time left                        (100)
 #   table        table.py: $OUT/results.md                                                             3
 #   depth-throughput  optional: depth_throughput.py, the depth mixings' eager training throughput at the
 #                125m and 1b shapes in bf16 ($OUT/depth_throughput.json); runs only when the run's budget
@@ -60,13 +63,13 @@ if [ "$MODE" = device ]; then
   PY=${PYTHON:-python3}
   HEADLINE=llama3-8b@8192 BIG=qwen2.5-14b@4096 BIG_ARGS=(--host-policy bf16-moments) PEER_DEVICE=cuda STEPS=3 PEER_STEPS=2
   LIMITS=(bundle=1 install=20 preflight=20 ds-cpu-adam=150 cuda-tests=90 headline=100 peer=28 qwen2.5-14b=72
-          table=3 depth-throughput=240)
+          table=3 headline-streamed=100 depth-throughput=240)
   RUN_BUDGET_S=${RUN_BUDGET_S:-530} DEPTH_ARGS=()
   TEST_SELECT=() TEST_TIMEOUT=40
 else  # tiny models, one or two steps, limits for 2 CPU cores; the peers' wiring on the CPU (gloo)
   HEADLINE=tiny@128 BIG=small@64 BIG_ARGS=(--host-mem 200MB --host-policy bf16-moments) PEER_DEVICE=cpu STEPS=2 PEER_STEPS=1
   LIMITS=(bundle=1 venv=240 install=60 preflight=60 ds-cpu-adam=900 cuda-tests=240 headline=120 peer=120
-          qwen2.5-14b=120 table=10 depth-throughput=90)
+          qwen2.5-14b=120 table=10 headline-streamed=120 depth-throughput=90)
   RUN_BUDGET_S=${RUN_BUDGET_S:-100000} DEPTH_ARGS=(--rehearse)  # the rehearsal always reaches its stage
   # the CUDA tests that take seconds on a CPU: the device's own, the policies, pinned host bytes, packed
   # attention, checkpoints; the rest differ in size (the device runs every one), and `make test` runs them all
@@ -82,10 +85,10 @@ limit() {  # a stage's limit in seconds (peer-N-SYSTEM: the peers' one)
 PEERS=(megatrain fsdp2 deepspeed megatrain fsdp2 deepspeed)
 STAGES=(bundle $([ "$MODE" = rehearse ] && echo venv) install preflight ds-cpu-adam cuda-tests headline)
 for i in "${!PEERS[@]}"; do STAGES+=("peer-$((i + 1))-${PEERS[$i]}"); done
-STAGES+=(qwen2.5-14b table depth-throughput)
+STAGES+=(qwen2.5-14b headline-streamed table depth-throughput)
 [ "$TESTS_ONLY" -eq 1 ] && STAGES=(bundle $([ "$MODE" = rehearse ] && echo venv) install cuda-tests)
 [ "$DEPTH_ONLY" -eq 1 ] && STAGES=(bundle $([ "$MODE" = rehearse ] && echo venv) install depth-throughput)
-DEPTH_MIN_S=${DEPTH_MIN_S:-60}
+DEPTH_MIN_S=${DEPTH_MIN_S:-60} STREAMED_MIN_S=${STREAMED_MIN_S:-60}
 specs=(); for s in "${STAGES[@]}"; do specs+=("$s=$(limit "$s")"); done
 if [ "$LIST" -eq 1 ]; then printf '%s\n' "${specs[@]}"; exit 0; fi
 
@@ -165,11 +168,24 @@ if [ -z "$GPU" ]; then
 fi
 log "$GPU"
 
-# -- depth-throughput (optional, last): in what is left of the run's budget, skipped when that is short ---------
+# -- the optional stages, last: in what is left of the run's budget, skipped when that is short -----------------
+time_left() {
+  python3 -S -c 'import sys, time; print(int(float(sys.argv[1]) - (time.time() - float(sys.argv[2]))))' \
+    "$RUN_BUDGET_S" "$RUN_T0"
+}
+streamed_stage() {  # the headline with every unit streamed: what the residency pass's choice gained, measured
+  local left cap; cap=$(limit headline-streamed) left=$(time_left)
+  if [ "$left" -lt "$STREAMED_MIN_S" ]; then
+    "${SUM[@]}" set "$OUT/summary.json" headline-streamed \
+      "skipped: $left s left of the run's $RUN_BUDGET_S s, the stage needs $STREAMED_MIN_S" --seconds 0
+    return 0
+  fi
+  [ "$((left - 10))" -lt "$cap" ] && cap=$((left - 10))
+  stage headline-streamed --limit "$cap" --rows "$ROWS" -- "$PY" -P benchmarks/gpu_step.py --models "$HEADLINE" \
+    --stage headline-streamed --resident none --steps "$STEPS" "${CASE_ARGS[@]}"
+}
 depth_stage() {
-  local left cap; cap=$(limit depth-throughput)
-  left=$(python3 -S -c 'import sys, time; print(int(float(sys.argv[1]) - (time.time() - float(sys.argv[2]))))' \
-    "$RUN_BUDGET_S" "$RUN_T0")
+  local left cap; cap=$(limit depth-throughput) left=$(time_left)
   if [ "$left" -lt "$DEPTH_MIN_S" ]; then
     "${SUM[@]}" set "$OUT/summary.json" depth-throughput \
       "skipped: $left s left of the run's $RUN_BUDGET_S s, the stage needs $DEPTH_MIN_S (run.sh --depth-only runs it)" \
@@ -214,7 +230,8 @@ fi
 # -- the CUDA tests: every one (no -x), each under pytest-timeout, each named in the log as it ends (-v); the
 # session stops itself 10 s before the stage's limit where pytest-timeout can (2.3+), so its junit is written
 CUDA_TEST_FILES=(tests/runtime/test_cuda.py tests/runtime/test_cuda_long.py tests/runtime/test_device.py
-  tests/runtime/test_distributed.py tests/runtime/test_fake_cuda.py tests/runtime/test_fake_cuda_edges.py)
+  tests/runtime/test_distributed.py tests/runtime/test_fake_cuda.py tests/runtime/test_fake_cuda_edges.py
+  tests/runtime/test_resident.py tests/runtime/test_streamed_checkpoints.py)
 SESSION=()
 "$PY" -P -c 'import inspect, pytest_timeout, sys; sys.exit("session_timeout" not in inspect.getsource(pytest_timeout))' \
   2>/dev/null && SESSION=(--session-timeout "$(($(limit cuda-tests) - 10))")
@@ -261,6 +278,7 @@ done
 stage qwen2.5-14b --rows "$ROWS" -- "$PY" -P benchmarks/gpu_step.py --models "$BIG" --stage qwen2.5-14b \
   --steps "$STEPS" "${BIG_ARGS[@]}" "${CASE_ARGS[@]}"
 
+streamed_stage
 stage table -- bash -c '"$0" -P benchmarks/gpu/table.py "$1" --preflight "$2" --gpu "$3" > "$4" && cat "$4"' \
   "$PY" "$ROWS" "$OUT/preflight.json" "$GPU" "$OUT/results.md"
 depth_stage

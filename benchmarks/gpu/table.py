@@ -35,6 +35,10 @@ def table(rows: list[dict], gpu: str = "") -> str:
         if r.get("system", "megatrain") != "megatrain":
             continue
         case = r.get("case", r.get("model", "?"))
+        if r.get("resident") == "none":  # the headline again with every unit streamed (run.sh headline-streamed)
+            case += ", all streamed"
+        elif r.get("resident_units"):
+            case += f", {len(r['resident_units'])} units on the GPU"
         if "tokens_per_s" not in r:
             out.append(f"| {case} | {r.get('seq_len', '-')} | {_why(r)} |" + " |" * 8)
             continue

@@ -17,15 +17,21 @@ from megatrain.planner.train import TrainSpec
 NOMINAL = "h100-sxm"  # what hardware auto plans for where no GPU is here and nothing will run (plan, tune, compile)
 
 
-def add_common_flags(p: argparse.ArgumentParser) -> None:
-    """The flags plan, tune, train and compile share."""
+def add_common_flags(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """The flags plan, tune, train and compile share; with `sweep` (tune), --grad-accum and --resident take
+    comma-separated lists."""
     p.add_argument("--model", required=True, type=input_path, help="a preset name (tiny, llama3-70b, ...) or a .json/.toml config")
     p.add_argument("--hardware", default="auto", type=input_path,
                    help=f"a preset ({', '.join(PRESETS)}) or a profile JSON from `megatrain probe`; default auto: "
                    "this machine (its GPU, or train's sim device the cpu profile; host memory this machine's less "
                    f"10%%, at least 2 GiB), and where plan, tune or compile find no GPU, the nominal {NOMINAL}")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    if sweep:
+        p.add_argument("--grad-accum", metavar="LIST", default="1", help="comma-separated micro-batches per "
+                       "optimizer step, e.g. 1,4,16 (default 1): a larger one steps the host optimizer once over "
+                       "more tokens")
+    else:
+        p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
     p.add_argument("--dtype", default="bf16", help="compute dtype: bf16 or fp32 (default bf16)")
     p.add_argument("--clip-norm", type=float, default=None, help="global gradient-norm clip (default: off; 0 "
                    "turns it off, as under --recipe hf-trainer's 1.0)")
@@ -34,11 +40,42 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host-policy", metavar="auto|NAME", default="auto", type=host_policy_arg,
                    help="how the host holds AdamW state: exact, bf16-moments, bf16, fp8, or auto (default): the "
                    "most exact that fits host memory within 0.5%% measured validation-loss cost")
+    if sweep:
+        p.add_argument("--resident", metavar="LIST", default="auto", type=resident_list,
+                       help="comma-separated state places to plan with: auto, none or auto,none (default auto)")
+    else:
+        p.add_argument("--resident", choices=RESIDENT, default="auto",
+                       help="where each unit's weights, gradients and AdamW state live: auto (default) lets the "
+                       "planner keep units on the GPU where the budget has room and that shortens the step "
+                       "(docs/PLANNING.md); none streams every unit from the host")
     p.add_argument("--nproc", type=int, default=None, metavar="R",
                    help="data-parallel ranks (GPUs) in all: plan one rank's step, the model state sharded R ways "
                    "and --grad-accum split across ranks (default 1; `train` takes it from torchrun)")
     p.add_argument("--nnodes", type=int, default=None, metavar="N",
                    help="nodes the --nproc ranks run on, nproc / nnodes each (default 1)")
+
+
+RESIDENT = ("auto", "none")  # --resident's values: the planner's residency pass decides, or every unit streams
+
+
+def resident_list(text: str) -> list[str]:
+    """tune's --resident: auto, none or both, comma-separated."""
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in items if x not in RESIDENT]
+    if not items or bad:
+        raise argparse.ArgumentTypeError(f"--resident takes auto, none or auto,none, got {text!r}")
+    return list(dict.fromkeys(items))
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """A flag's comma-separated positive integers, or one line naming it."""
+    try:
+        values = [int(x) for x in split_list(text, flag)]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} must be comma-separated integers, e.g. 1,2,4") from None
+    if any(v <= 0 for v in values):
+        raise ValueError(f"{flag} {text!r} must be positive integers, e.g. 1,2,4")
+    return values
 
 
 def host_policy_arg(text: str) -> str:

@@ -21,6 +21,7 @@ from .common import (
     check_paths,
     depth_ranks,
     hardware_of,
+    int_list,
     load_ir,
     model_config,
     split_list,
@@ -53,12 +54,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "1,2,4,8,16 that fits the budget within --rank-tolerance of N=1's step time")
     p.add_argument("--rank-tolerance", type=float, default=RANK_TOLERANCE, metavar="F",
                    help="with --depth-rank auto: the step-time slowdown over N=1 allowed (default 0.05 = 5%%)")
+    p.add_argument("--checkpoint-every", metavar="N", type=_steps,
+                   help="price a checkpoint every N steps, written while training goes on: its bytes, the disk's "
+                   "time for them (the hardware's disk_write_bytes_per_s) and what it adds to the step, per "
+                   "checkpoint and per step; warns when its writes outlast N steps")
     p.set_defaults(func=run_plan)
 
     t = subparsers.add_parser("tune", help="plan a grid of GPU budgets x micro-batch sizes; mark the Pareto front",
-                              description="Sweep GPU budgets and micro-batch sizes; a row is on the Pareto front "
-                              "when no other row reaches at least its tokens/s with no more budget.")
-    add_common_flags(t)
+                              description="Sweep GPU budgets and micro-batch sizes (and, given lists, micro-batches "
+                              "per step and state places); a row is on the Pareto front when no other row reaches "
+                              "at least its tokens/s with no more budget.")
+    add_common_flags(t, sweep=True)
     t.add_argument("--gpu-mem", metavar="LIST", required=True, help="comma-separated budgets, e.g. 24GiB,40GiB,80GiB")
     t.add_argument("--micro-batch", metavar="LIST", default="1", help="comma-separated micro-batch sizes (default 1)")
     t.add_argument("--json", action="store_true", help="print one JSON object with every row")
@@ -78,6 +84,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--out", metavar="FILE", type=output_path, help="write the profile JSON here (use it with --hardware FILE)")
     r.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="what to measure (default auto)")
     r.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (seconds, less precise)")
+    r.add_argument("--checkpoint-dir", metavar="DIR", type=input_path,
+                   help="measure checkpoint writes (write + fsync of a temporary file) in this folder, where a "
+                   "run will write its checkpoints (default: the temporary folder)")
     r.add_argument("--model", type=input_path, help="also measure this model's units (a preset or config file)")
     r.add_argument("--seq-len", type=int, default=None, help="with --model: tokens per sequence (required)")
     r.add_argument("--micro-batch", type=int, default=1, help="with --model: sequences per micro-batch (default 1)")
@@ -96,6 +105,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from megatrain.planner.advice import optimizer_advice
     from megatrain.planner.display import format_plan
     from megatrain.planner.passes import plan
 
@@ -114,18 +124,20 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         if args.depth_rank is None:
             ir = load_ir(config, train, hw)
-            result = plan(ir, hw, train, budget, host_policy=args.host_policy, world=world)
+            result = plan(ir, hw, train, budget, host_policy=args.host_policy, world=world, resident=args.resident)
         elif args.depth_rank.strip() == "auto":
             from megatrain.planner.depth_rank import choose_rank
 
             choice = choose_rank(config, hw, train, budget, lambda c, t: load_ir(c, t, hw), args.rank_tolerance,
-                                 host_policy=args.host_policy)
+                                 host_policy=args.host_policy, resident=args.resident)
             result = choice.plan
+            ir = result.ir  # one rank (depth ranks exclude --nproc): the chunks pass may plan it again
         else:
             from megatrain.planner.depth_rank import rank_config
 
-            result = plan(load_ir(rank_config(config, depth_ranks(args.depth_rank)[0]), train, hw), hw, train, budget,
-                          host_policy=args.host_policy)
+            ir = load_ir(rank_config(config, depth_ranks(args.depth_rank)[0]), train, hw)
+            result = plan(ir, hw, train, budget, host_policy=args.host_policy, resident=args.resident)
+        advice = optimizer_advice(result, ir, args.host_policy, args.resident, world)
     except InfeasiblePlanError as e:
         if not args.json:
             raise
@@ -148,8 +160,12 @@ def run_plan(args: argparse.Namespace) -> int:
         from megatrain.planner.scaling import format_scaling, scaling
 
         rows = scaling(ir, hw, train, budget, world, args.host_policy)
+    checkpoint = _checkpoint_cost(result, args.checkpoint_every) if args.checkpoint_every else None
     if args.json:
         summary = result.summary()
+        if checkpoint is not None:
+            summary["checkpoint"] = checkpoint
+        summary["optimizer_binds"] = advice.model_dump() if advice is not None else None
         if rows is not None:
             summary["scaling"] = rows
         if choice is not None:
@@ -158,8 +174,10 @@ def run_plan(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print("".join(line + "\n" for line in (choice.lines if choice else ())), end="")
-        print(format_plan(result, explain=args.explain, program=args.program), end="")
+        print(format_plan(result, explain=args.explain, program=args.program, advice=advice), end="")
         print("".join(f"note: {note}\n" for note in args.hardware_notes), end="")
+        if checkpoint is not None:
+            print("".join(line + "\n" for line in checkpoint["lines"]), end="")
         if rows is not None:
             print("\n" + format_scaling(rows, train, world), end="")
         for path, what in ((args.trace, "trace"), (args.save, "plan"), (args.plot, "plot")):
@@ -168,6 +186,28 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+
+
+def _steps(text: str) -> int:
+    """--checkpoint-every: a whole number of steps, >= 1, in ASCII digits."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of steps >= 1, e.g. 100, got {text!r}")
+    return int(text)
+
+
+def _checkpoint_cost(result, every: int) -> dict:
+    """What a checkpoint every `every` steps costs under plan `result` (planner/checkpoint_writes.py), for the
+    summary: its figures, and the lines the table prints (a refusal's one line where there is no price)."""
+    from megatrain.planner.checkpoint_writes import CheckpointPlanError, checkpoint_cost
+
+    try:
+        cost = checkpoint_cost(result)
+    except CheckpointPlanError as e:
+        return {"every": every, "streamed": False, "reason": str(e), "lines": [f"checkpoint: {e}"]}
+    return {"every": every, "streamed": True, "bytes": cost.bytes, "write_s": cost.write_s,
+            "disk_bytes_per_s": cost.disk_bytes_per_s, "step_time_s": cost.step_s,
+            "checkpoint_step_time_s": cost.checkpoint_step_s, "extra_s": cost.extra_s,
+            "per_step_s": cost.per_step_s(every), "warning": cost.check(every), "lines": cost.lines(every)}
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -180,20 +220,26 @@ def run_tune(args: argparse.Namespace) -> int:
         mbs = [int(x) for x in split_list(args.micro_batch, "--micro-batch")]
     except ValueError:
         raise ValueError(f"--micro-batch {args.micro_batch!r} must be comma-separated integers, e.g. 1,2,4") from None
-    for mb in mbs:
-        train_spec(args, mb)  # each size's settings checked up front, by flag
-    train = train_spec(args, mbs[0])
+    accums = int_list(args.grad_accum, "--grad-accum")
+    worlds = []
+    for k in accums:  # each setting checked up front, by flag
+        one = argparse.Namespace(**{**vars(args), "grad_accum": k})
+        worlds.append(world_of(one))
+        for mb in mbs:
+            train_spec(one, mb)
+    train = train_spec(argparse.Namespace(**{**vars(args), "grad_accum": accums[0]}), mbs[0])
 
     def trace_fn(model, mb, spec):
         return load_ir(model, spec, hw)
 
     result = tune(model_config(args), hw, train, budgets, mbs, trace_fn=trace_fn, depth_ranks=depth_ranks(args.depth_rank),
-                  host_policy=args.host_policy, world=world_of(args))
+                  host_policy=args.host_policy, world=worlds[0], grad_accums=accums, residents=args.resident)
+    steps = "/".join(map(str, accums))
     if args.plot:
         from megatrain.planner.series import tune_points
         from megatrain.plots import front_figure, save_figure
 
-        title = f"tune {args.model} on {hw.name}, seq {args.seq_len}, {args.grad_accum} micro-batch(es)/step"
+        title = f"tune {args.model} on {hw.name}, seq {args.seq_len}, {steps} micro-batch(es)/step"
         save_figure(front_figure(tune_points(result), title), args.plot)
     if args.json:
         print(json.dumps({"rows": result.summary()}))
@@ -204,20 +250,22 @@ def run_tune(args: argparse.Namespace) -> int:
     from megatrain.planner.display import render
 
     table = Table(box=box.SIMPLE_HEAD, title=f"tune {args.model} on {hw.name}, seq {args.seq_len}, "
-                  f"{args.grad_accum} micro-batch(es)/step (* = Pareto front)")
+                  f"{steps} micro-batch(es)/step (* = Pareto front)")
     ranked = any(r.depth_rank is not None for r in result.rows)
-    for col in ("", *(("N",) if ranked else ()), "micro-batch", "budget", "peak GPU", "host", "step s", "tokens/s", "MFU", "bottleneck"):
-        table.add_column(col, justify="left" if col in ("", "bottleneck") else "right")
+    for col in ("", *(("N",) if ranked else ()), "micro-batch", "accum", "resident", "budget", "peak GPU", "host",
+                "step s", "tokens/s", "MFU", "bottleneck"):
+        table.add_column(col, justify="left" if col in ("", "resident", "bottleneck") else "right")
     for r in result.rows:
+        cells = ("*" if r.pareto else "", *((str(r.depth_rank),) if ranked else ()), str(r.micro_batch),
+                 str(r.grad_accum))
         if r.plan:
             p = r.plan
-            table.add_row("*" if r.pareto else "", *((str(r.depth_rank),) if ranked else ()), str(r.micro_batch),
-                          format_bytes(r.gpu_budget_bytes),
+            units = f"{r.resident}: {len(p.resident_units)} unit(s)" if p.resident_units else r.resident
+            table.add_row(*cells, units, format_bytes(r.gpu_budget_bytes),
                           format_bytes(p.peak_gpu_bytes), format_bytes(p.host_bytes), f"{p.step_time_s:.4g}",
                           f"{p.tokens_per_s:,.0f}", f"{p.mfu:.1%}", f"{p.bottleneck} {p.bottleneck_share:.0%}")
         else:
-            table.add_row("", *((str(r.depth_rank),) if ranked else ()), str(r.micro_batch),
-                          format_bytes(r.gpu_budget_bytes), "infeasible", "", "", "", "",
+            table.add_row(*cells, r.resident, format_bytes(r.gpu_budget_bytes), "infeasible", "", "", "", "",
                           f"needs {format_bytes(r.needed_bytes or 0)}")
     print(render(table, width=130), end="")
     print("".join(f"note: {note}\n" for note in args.hardware_notes), end="")
@@ -239,7 +287,7 @@ def run_probe(args: argparse.Namespace) -> int:
         raise ValueError(f"{', '.join(model_only)} measure a model's units: add --model M (without it the probe "
                          "measures the machine alone)")
     if args.model is None:
-        hw = probe(device=args.device, quick=args.quick)
+        hw = probe(device=args.device, quick=args.quick, disk=args.checkpoint_dir)
     else:
         hw = _probe_model(args)
     if args.out:
@@ -285,7 +333,7 @@ def _probe_model(args: argparse.Namespace) -> Hardware:
         print(format_units(cached.units), end="")
         _say_spread(cached.units)
         return cached
-    machine = probe(device=device, quick=True)
+    machine = probe(device=device, quick=True, disk=args.checkpoint_dir)
     print(f"measuring {len(set(u.template for u in ir.units))} unit template(s) of {ir.model} on the {kind} device "
           f"({args.repeats} rounds) ...", flush=True)
     hw = probe_hardware(ir, machine, kind, cache=not args.no_cache, policies=policies, repeats=args.repeats,

@@ -286,6 +286,9 @@ def _run_train(cfg, run_file: str | None, comm=None) -> int:
         p = trainer.plan
         if trainer.profile_note:
             say(trainer.profile_note)
+        if trainer.checkpoint_note:  # why checkpoints stop the run, or that their writes outlast their steps
+            say(trainer.checkpoint_note if trainer.checkpoint_note.startswith("warning") else
+                f"note: {trainer.checkpoint_note}")
         if comm is not None:
             say(f"{p.world}: each streams the model on its {p.program.n_micro_batches} of the step's "
                 f"{p.train.grad_accum} micro-batch(es) and holds 1/{comm.size} of the model state (host "
@@ -296,7 +299,9 @@ def _run_train(cfg, run_file: str | None, comm=None) -> int:
               f"a {format_bytes(cfg.gpu_mem)} budget ({p.n_slots} parameter slot(s); planned device peak "
               f"{format_bytes(trainer.planned_peak_device_bytes)}; host {format_bytes(trainer.store.host_bytes())} "
               f"under host policy {p.host_policy})"
-              + (f"; units tiled in chunks of {p.ir.chunk_tokens:,} tokens" if p.ir.chunk_tokens else ""))
+              + (f"; units tiled in chunks of {p.ir.chunk_tokens:,} tokens" if p.ir.chunk_tokens else "")
+              + (f"; {len(p.resident_units)} unit(s) keep their state on the device ({p.resident_units[0]} .. "
+                 f"{p.resident_units[-1]})" if p.resident_units else ""))
         if cfg.on_nan == "skip" and cfg.train.clip_norm is None:
             say("--on-nan skip: each step's host optimizer starts once every gradient has landed (a global "
                   "finiteness check), as with --clip-norm")
@@ -454,7 +459,7 @@ def run_compile(args: argparse.Namespace) -> int:
     spec = train_spec(args, args.micro_batch)
     budget = parse_bytes(args.gpu_mem) if args.gpu_mem else hw.gpu_memory_bytes
     result = plan(load_ir(model_config(args), spec, hw), hw, spec, budget, host_policy=args.host_policy,
-                  world=world_of(args))
+                  world=world_of(args), resident=args.resident)
     out = Path(args.out)
     write_atomic(out, emit(result), "-o")
     print(f"wrote {len(result.program.instrs)} instructions to {out} (peak {format_bytes(result.peak_gpu_bytes)} "

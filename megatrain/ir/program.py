@@ -19,7 +19,7 @@ from pydantic import Field, model_validator
 
 from .base import IRModel
 
-Stream = Literal["compute", "h2d", "d2h", "host", "comm"]
+Stream = Literal["compute", "h2d", "d2h", "host", "comm", "disk"]
 # offload_act / load_act of a checkpoint longer than this go in chunks of it through two pinned staging buffers
 # per copy stream (runtime/staging.py), pageable host copies; the planner prices the same (planner/transfers.py).
 # Shorter ones (a 70B model's 8k-token carries: 128 MiB) copy directly to their own pinned buffers.
@@ -34,15 +34,19 @@ OpName = Literal[
     "store_grads",
     "optimizer_step",
     "clip_grads",
+    "device_step",
+    "store_norms",
     "all_gather",
     "reduce_scatter",
     "all_reduce",
+    "save_state",
+    "seal_checkpoint",
     "record",
     "wait",
     "free",
 ]
 BufferKind = Literal["param_slot", "grad_slot", "resident", "batch", "loss", "carry", "saved", "grad_carry",
-                     "attention", "cast_stage"]
+                     "attention", "cast_stage", "device_state"]
 # Where a bf16 program's load_params gets the compute-dtype weights (planner/cast.py decides, runtime/cast.py runs):
 # cast on the host into pinned staging, cast on the device from fp32 that crossed the link (the `cast` buffer), or
 # a persistent bf16 copy the optimizer writes; fp32 programs cast nothing.
@@ -59,11 +63,17 @@ OP_STREAMS: dict[str, tuple[str, ...]] = {
     "store_grads": ("d2h",),
     "optimizer_step": ("host",),
     "clip_grads": ("host",),
+    "device_step": ("compute",),
+    "store_norms": ("d2h",),
     "all_gather": ("comm",),
     "reduce_scatter": ("comm",),
     "all_reduce": ("comm",),
-    "record": ("compute", "h2d", "d2h", "host", "comm"),
-    "wait": ("compute", "h2d", "d2h", "host", "comm"),
+    # a checkpointing step's writes (planner/checkpoint_writes.py): a host thread of their own, so a slow disk
+    # holds back neither the optimizer nor the copies
+    "save_state": ("disk",),
+    "seal_checkpoint": ("disk",),
+    "record": ("compute", "h2d", "d2h", "host", "comm", "disk"),
+    "wait": ("compute", "h2d", "d2h", "host", "comm", "disk"),
     "free": ("compute",),
 }
 
@@ -111,9 +121,13 @@ OPERANDS: dict[str, tuple[str, ...]] = {
     "store_grads": ("unit", "grad_slot", "host_grad", "shard"),
     "optimizer_step": ("unit", "host_grad"),
     "clip_grads": (),
+    "device_step": ("unit", "slot", "grad_slot"),
+    "store_norms": ("unit", "grad_slot"),
     "all_gather": ("unit", "slot"),
     "reduce_scatter": ("unit", "grad_slot"),
     "all_reduce": ("unit", "grad_slot"),
+    "save_state": ("unit",),
+    "seal_checkpoint": (),
     "record": ("event",),
     "wait": ("event",),
     "free": ("buffer",),
@@ -173,8 +187,8 @@ class Instr(IRModel):
             if getattr(self, name) != type(self).model_fields[name].default:
                 raise ValueError(f"{self.op} takes no {name} (given {getattr(self, name)!r}); its operands: "
                                  f"{', '.join(OPERANDS[self.op]) or 'none'}")
-        if self.workspace_bytes and self.op not in ("forward", "backward"):
-            raise ValueError(f"{self.op} has no workspace; only forward and backward do")
+        if self.workspace_bytes and self.op not in ("forward", "backward", "device_step"):
+            raise ValueError(f"{self.op} has no workspace; only forward, backward and device_step do")
         return self
 
     def operands(self) -> list[tuple[str, object]]:
@@ -230,3 +244,12 @@ class Program(IRModel):
 
     def __str__(self) -> str:
         return "\n".join(f"{i:5d} {ins}" for i, ins in enumerate(self.instrs))
+
+
+def resident_units(program: Program) -> dict[str, str]:
+    """unit -> "weights" or "device" for every unit whose state place is not the host's (issue 40): a unit
+    stepped by `device_step` lives on the device; one holding a dedicated parameter slot (a param_slot buffer
+    naming it) without a device step keeps only its weights there. Units absent are streamed as usual."""
+    out = {b.unit: "weights" for b in program.buffers if b.kind == "param_slot" and b.unit is not None}
+    out.update({ins.unit: "device" for ins in program.instrs if ins.op == "device_step"})
+    return out

@@ -14,6 +14,9 @@ The rewrite, per unit (ir/README.md has each op's line):
   copies that shard to the host, where the rank's optimizer steps it;
 - replicated units (a tied parameter's holder and owner, world.py): a whole load, `all_reduce` of the
   gradients, a whole store; every rank steps the whole unit;
+- device units (residency.py; never replicated, can_reside refuses tied units): `reduce_scatter` before
+  their `store_norms`, their `device_step` steps the rank's shard, and `all_gather` of the slot after it
+  completes the weights for the next forward; a "weights" unit is a sharded unit loaded once a step;
 - no backward writes norms (`norm`): the gradient collective writes the norms of what the rank keeps;
   clip_grads all-reduces their squares (the runtime's sharded store).
 The comm stream runs its collectives in program order, the same order on every rank (they run the same
@@ -68,6 +71,14 @@ def lower_collectives(ops: list[Op], ir: ModelIR, world: World) -> list[Op]:
             kind = "all_reduce" if op.unit in whole else "reduce_scatter"
             out.append(Op(kind, "comm", unit=op.unit, grad_slot=op.grad_slot, reads=(grad,), writes=(grad,)))
             out.append(Op(**{**f, "shard": op.unit not in whole}))
+        elif op.op == "store_norms":  # a device unit (never replicated: can_reside refuses tied units)
+            grad = f"grad{op.grad_slot}"
+            out.append(Op("reduce_scatter", "comm", unit=op.unit, grad_slot=op.grad_slot, reads=(grad,),
+                          writes=(grad,)))
+            out.append(op)
+        elif op.op == "device_step":  # it stepped the rank's shard of the slot: the others' complete it
+            slot = f"slot{op.slot}"
+            out += [op, Op("all_gather", "comm", unit=op.unit, slot=op.slot, reads=(slot,), writes=(slot,))]
         else:
             out.append(op)
     return out
@@ -80,6 +91,10 @@ def decision_lines(ir: ModelIR, world: World, ops: list[Op]) -> list[str]:
              f"{world.nproc} of every sharded unit's master, moments and host gradients",
              f"{counts['all_gather']} all_gather (after each shard load), {counts['reduce_scatter']} reduce_scatter"
              f" and {counts['all_reduce']} all_reduce (before each store) on the comm stream, in program order"]
+    device = [op.unit for op in ops if op.op == "device_step"]
+    if device:
+        lines.append(f"stepped on the device, each rank its shard ({', '.join(device)}): reduce_scatter before "
+                     "store_norms, all_gather of the stepped slot after device_step")
     if whole:
         lines.append(f"replicated (tied parameters: every rank holds and steps them whole): {', '.join(whole)}")
     return lines
@@ -134,6 +149,7 @@ class WorldCostModel(CostModel):
         self.reduce = [collective_seconds(u.flat_numel * 4, world, hw, 2 if u.name in whole else 1)
                        for u in ir.units]
         self.clip += hw.collective_latency_s  # the squared norms' all-reduce: a few bytes
+        self.dstep = [d * f for d, f in zip(self.dstep, frac)]  # a device unit steps the rank's shard
 
     def op_seconds(self, ins, sizes: dict[str, int] | None = None, warm: bool = False) -> float:
         if ins.op == "all_gather":
@@ -164,8 +180,10 @@ def check_collectives(program, hb, at) -> list[str]:
     loads: dict[int, list[int]] = {}
     gathers: dict[int, list[int]] = {}
     for i, ins in enumerate(instrs):
-        if ins.op == "load_params":
+        if ins.op in ("load_params", "device_step"):  # what writes the rank's shard of the slot
             loads.setdefault(ins.slot, []).append(i)
+            if ins.op == "device_step":
+                continue
             if ins.shard != (ins.unit in gathered):
                 want = "be all-gathered after it" if ins.shard else "load its shard (shard=True)"
                 problems.append(f"{at(i, ins)}: a {'sharded' if ins.shard else 'whole'} load, so {ins.unit} must "
@@ -175,11 +193,14 @@ def check_collectives(program, hb, at) -> list[str]:
         elif ins.op == "backward" and ins.norm:
             problems.append(f"{at(i, ins)} writes norms, but in a world program the gradient collective does")
     for i, ins in enumerate(instrs):
+        if ins.op == "device_step" and ins.unit not in gathered:
+            problems.append(f"{at(i, ins)} steps only the rank's shard: {ins.unit}'s slot needs an all_gather after it")
+    for i, ins in enumerate(instrs):
         if ins.op == "all_gather":
             load = _latest(loads.get(ins.slot, []), i)
             if load is None or instrs[load[1]].unit != ins.unit:
-                problems.append(f"{at(i, ins)} gathers {ins.unit}, but slot{ins.slot} was last loaded with "
-                                f"{instrs[load[1]].unit if load else 'nothing'}")
+                problems.append(f"{at(i, ins)} gathers {ins.unit}, but slot{ins.slot} was last loaded (or "
+                                f"stepped) with {instrs[load[1]].unit if load else 'nothing'}")
             elif not hb.before(load, (1, i)):
                 problems.append(f"{at(i, ins)} may run before {at(load[1], instrs[load[1]])} completes (missing wait)")
         elif ins.op in ("forward", "backward") and ins.unit in gathered:
@@ -197,6 +218,7 @@ def _check_gradients(instrs, hb, at, gathered: set[str]) -> list[str]:
     bwd: dict[str, list[int]] = {}
     grads: dict[str, list[int]] = {}
     store: dict[str, int] = {}
+    readers: dict[str, list[int]] = {}  # a device unit's store_norms and device_step read the reduced shard
     for i, ins in enumerate(instrs):
         if ins.op == "backward":
             bwd.setdefault(ins.unit, []).append(i)
@@ -204,6 +226,8 @@ def _check_gradients(instrs, hb, at, gathered: set[str]) -> list[str]:
             grads.setdefault(ins.unit, []).append(i)
         elif ins.op == "store_grads":
             store[ins.unit] = i
+        elif ins.op in ("store_norms", "device_step"):
+            readers.setdefault(ins.unit, []).append(i)
     for unit, idx in bwd.items():
         mine = grads.get(unit, [])
         if len(mine) != 1:
@@ -221,6 +245,9 @@ def _check_gradients(instrs, hb, at, gathered: set[str]) -> list[str]:
         for b in idx:
             if not hb.before((1, b), (1, c)):
                 problems.append(f"{at(c, ins)} may run before {at(b, instrs[b])} completes (missing wait)")
+        for r in readers.get(unit, []):
+            if not hb.before((1, c), (1, r)):
+                problems.append(f"{at(r, instrs[r])} may run before {at(c, ins)} completes (missing wait)")
         s = store.get(unit)
         if s is not None:
             if not hb.before((1, c), (1, s)):

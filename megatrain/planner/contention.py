@@ -21,7 +21,7 @@ from __future__ import annotations
 from bisect import bisect_left
 
 WORK = frozenset(("forward", "backward", "load_params", "load_act", "store_grads", "offload_act",
-                  "optimizer_step", "clip_grads"))
+                  "optimizer_step", "clip_grads", "device_step", "store_norms"))
 ITERATIONS = 8
 STEPS = 4  # unrolled: the middle steps see a neighbour on each side
 

@@ -26,11 +26,20 @@ model both price ops here, so they agree on every figure. Try it:
   compressed policy's step is bound by arithmetic,
   not memory, on a host with few cores), else host_memory_bytes_per_s; benchmarks/bench_host_optimizer.py
   compares each policy's measured step with this price;
-- clip_grads: combines per-parameter norms computed on the device (n_units x 1 us): no gradient is re-read.
+- clip_grads: combines per-parameter norms computed on the device (n_units x 1 us): no gradient is re-read;
+- save_state (a checkpointing step's, checkpoint_writes.py): the unit file's bytes / the disk's write bandwidth
+  + a write + fsync's fixed cost (`disk_write_bytes_per_s`, `disk_file_latency_s`); seal_checkpoint: three of
+  those fixed costs (the RNG state, the manifest, the renamed folder).
+- device_step (a unit whose state lives on the device, issue 40): parameters x the bytes the AdamW step moves
+  in device memory (`device_step_bytes`: master read + write, the fp32 gradient read, both moments read +
+  written in the policy's dtype, and with a bf16 compute dtype the slot's bf16 weights written) / the
+  profile's device_memory_bytes_per_s (host_memory_bytes_per_s where it has none), plus one dispatch per
+  parameter; store_norms: the unit's per-parameter norms (4 B each) over d2h plus the copy latency.
 With a measured unit profile (`Hardware.units`, planner/profile.py, from `megatrain probe --model`) every op
 of a unit whose template it covers is priced from the measurement instead: forward without and with its
 graph, backward from the graph, the recompute and rebuild it adds, the norm pass, load, store, checkpoint
-offload and reload, the optimizer step under the policy (with or without a clip factor), and every
+offload and reload, the optimizer step under the policy (with or without a clip factor), a device-resident
+unit's device step and norm store (profiles from version 11 on; older ones keep the roofline's), and every
 instruction, record, wait and free included, costs the measured `dispatch_s` more; the estimator adds the
 measured event wake-up and step gap (estimate.py) and stretches ops that overlap another stream's work by the
 measured contention factors (contention.py). Units it does not cover keep the roofline.
@@ -51,6 +60,23 @@ from .transfers import copy_seconds
 
 ADAMW_BYTES = {p.name: p.traffic for p in POLICIES.values()}  # host bytes per parameter of one optimizer step
 COPY_BYTES = 2  # per parameter the "copy" cast's optimizer step writes besides the policy's traffic
+
+
+def device_step_bytes(policy: HostPolicy, dtype: str) -> float:
+    """Device-memory bytes per parameter of a device-resident unit's AdamW step (runtime/resident.py): the fp32
+    master read and written (8), the fp32 gradient read (4), both moments read and written (4 x the policy's
+    moment bytes), and under a bf16 compute dtype the slot's weights written (2)."""
+    return 8 + 4 + 4 * policy.moment_bytes + (dtype_bytes(dtype) if dtype != "float32" else 0)
+
+
+def unit_file_bytes(u, policy: HostPolicy | str) -> int:
+    """Bytes of one unit's checkpoint file's tensors (runtime/checkpoint.py), what a checkpointing step's
+    save_state writes (checkpoint_writes.py): fp32 masters, both moments in the policy's dtype (fp8: and their
+    block scales), a fp32 step count per owned parameter, and its buffers."""
+    policy = resolve(policy)
+    owned = [p.numel for p in u.params if p.name not in u.tied]
+    n = sum(owned)
+    return 4 * n + policy.moment_state_bytes(owned, n) + 4 * len(owned) + u.buffer_bytes
 
 
 def default_cast(dtype: str) -> str:
@@ -107,6 +133,15 @@ class CostModel:
         self.copy_factor = (per_param + COPY_BYTES) / per_param if self.cast == "copy" else 1.0
         self.opt = [u.n_params * per_param / rate * self.copy_factor for u in ir.units]
         self.clip = len(ir.units) * 1e-6
+        # a checkpointing step's writes (checkpoint_writes.py): each unit's file at the disk's write rate plus a
+        # write + fsync's fixed cost; the seal writes the small files and the manifest, and renames the folder
+        self.save_bytes = [unit_file_bytes(u, self.policy) for u in ir.units]
+        self.save = [b / hw.disk_write_bytes_per_s + hw.disk_file_latency_s for b in self.save_bytes]
+        self.seal = 3 * hw.disk_file_latency_s
+        dev_rate = hw.device_memory_bytes_per_s or hw.host_memory_bytes_per_s
+        self.dstep = [u.n_params * device_step_bytes(self.policy, ir.dtype) / dev_rate
+                      + len(u.params) * hw.op_overhead_s for u in ir.units]
+        self.norms_copy = [4 * len(u.params) / hw.d2h_bytes_per_s + hw.copy_latency_s for u in ir.units]
         self.fwd_graph, self.rebuild = list(self.fwd), list(self.fwd)
         self.recompute = [u.recompute_flops / flops + u.graph_nodes * hw.op_overhead_s for u in ir.units]
         # a recompute that replays the fused attention (models/replay.py) skips its FLOPs
@@ -150,6 +185,11 @@ class CostModel:
                 self.load[i] = t.load_s
             elif self.cast in t.load_cast_s:  # measured through the place's own load path
                 self.load[i] = t.load_cast_s[self.cast]
+            dstep = (t.device_step_clip_s if clip else t.device_step_s).get(self.policy.name)
+            if dstep is not None:  # measured through the engine's device step (runtime/unit_probe.py)
+                self.dstep[i] = dstep * (u.n_params / t.n_params if t.n_params else 1.0)
+            if t.store_norms_s is not None:
+                self.norms_copy[i] = t.store_norms_s
             opt = (t.optimizer_clip_s if clip else t.optimizer_s).get(self.policy.name)
             if opt is not None:  # a tied borrower owns fewer parameters than the unit measured
                 self.opt[i] = opt * (u.n_params / t.n_params if t.n_params else 1.0) * self.copy_factor
@@ -192,6 +232,14 @@ class CostModel:
             return self.opt[self.index[ins.unit]]
         if op == "clip_grads":
             return self.clip
+        if op == "device_step":
+            return self.dstep[self.index[ins.unit]]
+        if op == "store_norms":
+            return self.norms_copy[self.index[ins.unit]]
+        if op == "save_state":
+            return self.save[self.index[ins.unit]]
+        if op == "seal_checkpoint":
+            return self.seal
         return 0.0
 
     @staticmethod

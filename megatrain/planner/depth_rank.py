@@ -59,20 +59,22 @@ class RankChoice:
 
 def choose_rank(config: ModelConfig, hw: Hardware, train: TrainSpec, budget: int,
                 trace_fn: Callable[[ModelConfig, TrainSpec], object], tolerance: float = DEFAULT_TOLERANCE,
-                ranks: Sequence[int] = RANKS, host_policy: str = "auto") -> RankChoice:
-    """Plan each rank; pick the largest that fits with step time <= (1 + tolerance) x that of N = 1."""
+                ranks: Sequence[int] = RANKS, host_policy: str = "auto", **plan_kw) -> RankChoice:
+    """Plan each rank; pick the largest that fits with step time <= (1 + tolerance) x that of N = 1. `plan_kw`:
+    plan()'s other settings (resident=...)."""
     if not tolerance >= 0:
         raise ValueError(f"--rank-tolerance must be >= 0 (a fraction: 0.05 = 5%), got {tolerance}")
     plans: dict[int, Plan | InfeasiblePlanError] = {}
     for n in sorted(ranks):
         try:
-            plans[n] = plan(trace_fn(rank_config(config, n), train), hw, train, budget, host_policy=host_policy)
+            plans[n] = plan(trace_fn(rank_config(config, n), train), hw, train, budget, host_policy=host_policy,
+                            **plan_kw)
         except InfeasiblePlanError as e:
             plans[n] = e
     if isinstance(plans[min(plans)], InfeasiblePlanError):
         raise plans[min(plans)]
     base = plan(trace_fn(rank_config(config, min(plans)), train), hw, train, max(budget, hw.gpu_memory_bytes),
-                host_policy=host_policy)
+                host_policy=host_policy, **plan_kw)
     limit = base.step_time_s * (1 + tolerance)
     rows, best = [], min(plans)
     for n, p in plans.items():

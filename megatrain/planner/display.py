@@ -72,7 +72,25 @@ def summary_lines(p: Plan) -> list[str]:
         + (f", {counts['rebuild']} rebuild" if counts["rebuild"] else "")
         + (f"; {replays} replay attention" if (replays := sum(u.replay for u in p.units)) else ""),
     ]
-    return lines + tiling_lines(p)
+    return lines + state_lines(p) + tiling_lines(p)
+
+
+def state_lines(p: Plan) -> list[str]:
+    """Which units' state lives on the device (the residency pass), and its device bytes; none when every unit
+    streams."""
+    if not p.resident_units:
+        return []
+    names = set(p.resident_units)
+    held = sum(b.nbytes for b in p.program.buffers if b.static and b.unit in names)
+    groups = []
+    for name, group in unit_groups(p):
+        places = {u.state for u in group}
+        if places != {"host"}:
+            groups.append(f"{name} {'/'.join(sorted(places))}")
+    n_dev = sum(1 for u in p.units if u.state == "device")
+    return [f"state {len(names)} unit(s) on the GPU ({n_dev} with their optimizer step there), "
+            f"{format_bytes(held)} of dedicated slots and state: " + ", ".join(groups) +
+            "; the rest streamed (--explain says why)"]
 
 
 def tiling_lines(p: Plan) -> list[str]:
@@ -121,22 +139,24 @@ def _row_key(u) -> tuple:
         "" if not u.resident else ", resident")
     if not u.checkpoint_bytes and u.resident:
         ckpt = "resident"
-    return (u.kind, f"{u.params / 1e6:.4g}M", ckpt,
+    return (u.kind, f"{u.params / 1e6:.4g}M", ckpt, u.state,
             format_bytes(u.checkpoint_bytes) if u.checkpoint_bytes else "-", _ms(u.forward_s), _ms(u.backward_s), _ms(u.h2d_s), _ms(u.d2h_s), _ms(u.optimizer_s))
 
 
 def unit_table(p: Plan) -> Table:
-    """One row per unit, consecutive identical units merged into one row."""
+    """One row per unit, consecutive identical units merged into one row; the state column only when some
+    unit's state is not streamed from the host."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False)
-    for col, justify in (("unit", "left"), ("params", "right"), ("checkpoint", "left"), ("bytes", "right"),
-                         ("slot", "right"), ("fwd ms", "right"), ("bwd ms", "right"), ("h2d ms", "right"),
-                         ("d2h ms", "right"), ("opt ms", "right")):
+    placed = bool(p.resident_units)
+    for col, justify in (("unit", "left"), ("params", "right"), *((("state", "left"),) if placed else ()),
+                         ("checkpoint", "left"), ("bytes", "right"), ("slot", "right"), ("fwd ms", "right"),
+                         ("bwd ms", "right"), ("h2d ms", "right"), ("d2h ms", "right"), ("opt ms", "right")):
         table.add_column(col, justify=justify)
     for name, group in unit_groups(p):
         key = _row_key(group[0])
         slots = sorted({u.slot for u in group})
         slot = str(slots[0]) if len(slots) == 1 else f"{slots[0]}-{slots[-1]}"
-        table.add_row(name, key[1], key[2], key[3], slot, *key[4:])
+        table.add_row(name, key[1], *((key[3],) if placed else ()), key[2], key[4], slot, *key[5:])
     return table
 
 
@@ -177,9 +197,12 @@ def explain_lines(p: Plan, timings: bool = True) -> list[str]:
 
 
 def format_plan(p: Plan, *, explain: bool = False, program: bool = False, timings: bool = True,
-                width: int = 110) -> str:
-    """The printed plan: summary, per-unit table, sparkline; optionally the passes and the program."""
-    parts = ["\n".join(summary_lines(p)), "", render(unit_table(p), width=width).rstrip(), "",
+                width: int = 110, advice=None) -> str:
+    """The printed plan: summary, per-unit table, sparkline; optionally the passes and the program. `advice`
+    (planner/advice.py, when the host optimizer binds): what a larger --grad-accum or the other state-place
+    choice would give, after the summary."""
+    head = summary_lines(p) + (advice.lines() if advice is not None else [])
+    parts = ["\n".join(head), "", render(unit_table(p), width=width).rstrip(), "",
              "\n".join(sparkline(p))]
     if explain:
         parts += ["", "passes:", "\n".join(explain_lines(p, timings))]

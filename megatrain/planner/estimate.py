@@ -32,7 +32,7 @@ from .costs import CostModel
 RESOURCES = {"forward": "compute", "backward": "compute", "load_params": "h2d", "load_act": "h2d",
              "store_grads": "d2h", "offload_act": "d2h", "optimizer_step": "host_optimizer",
              "clip_grads": "host_optimizer", "all_gather": "collectives", "reduce_scatter": "collectives",
-             "all_reduce": "collectives"}
+             "all_reduce": "collectives", "device_step": "compute", "store_norms": "d2h"}
 STEPS = 3
 
 

@@ -9,12 +9,17 @@ sharding in a world (a sharded unit loads its shard and all-gathers it), the sam
 Every forward has mode `eval`: the unit runs in inference mode (MoE routing's inference rule), keeps nothing
 and records nothing. Layer-major, as the step: every batch through a unit before the next, so each unit's
 weights cross the link once. The head writes each batch's summed token loss into `loss`.
+
+Per-unit state (issue 40, ir/program.py `resident_units`): the shared slots rotate among the streamed units only;
+a unit whose state lives on the device reads its dedicated slot, which holds its stepped weights, and loads
+nothing; a unit keeping only its weights there loads them into its dedicated slot first (the host optimizer
+stepped its master after the step's load).
 """
 
 from __future__ import annotations
 
 from megatrain.ir.model_ir import ModelIR
-from megatrain.ir.program import Buffer, Instr, Program
+from megatrain.ir.program import Buffer, Instr, Program, resident_units
 
 from .schedule import Op, carry
 from .sync import insert_sync
@@ -25,30 +30,36 @@ EVENT_PREFIX = "eval."  # its events are its own: a step's wait must never be sa
 def eval_program(ir: ModelIR, step: Program, n_batches: int) -> Program:
     """The evaluation of `n_batches` validation batches (this rank's) beside step program `step`."""
     statics = [b for b in step.buffers if b.static and b.kind in ("param_slot", "resident", "cast_stage")]
-    n_slots = sum(b.kind == "param_slot" for b in statics)
+    n_slots = sum(b.kind == "param_slot" and b.unit is None for b in statics)  # the shared ones
     gathered = {ins.unit for ins in step.instrs if ins.op == "all_gather"}
     units = ir.units
+    places = resident_units(step)
+    dedicated = {b.unit: int(b.name.removeprefix("slot")) for b in statics if b.kind == "param_slot" and b.unit}
+    streamed = [i for i, u in enumerate(units) if u.name not in places]
+    slot = {i: j % n_slots for j, i in enumerate(streamed)}
+    slot.update({i: dedicated[u.name] for i, u in enumerate(units) if u.name in places})
     ops: list[Op] = []
 
     def load(i: int) -> None:
-        name, k = units[i].name, i % n_slots
+        name, k = units[i].name, slot[i]
         ops.append(Op("load_params", "h2d", unit=name, slot=k, shard=name in gathered, writes=(f"slot{k}",)))
         if name in gathered:
             ops.append(Op("all_gather", "comm", unit=name, slot=k, reads=(f"slot{k}",), writes=(f"slot{k}",)))
 
-    for i in range(min(n_slots, len(units))):
+    ahead = {i: streamed[j + n_slots] for j, i in enumerate(streamed) if j + n_slots < len(streamed)}
+    for i in sorted(streamed[:n_slots] + [i for i, u in enumerate(units) if places.get(u.name) == "weights"]):
         load(i)
     for i, u in enumerate(units):
         for mb in range(n_batches):
-            reads = [f"slot{i % n_slots}", carry(u.name, mb) if u.carry_in else "batch"]
+            reads = [f"slot{slot[i]}", carry(u.name, mb) if u.carry_in else "batch"]
             reads += ["rope"] if u.kind == "block" else ["batch"] if u.kind == "head" else []
             writes = ("loss",) if i + 1 == len(units) else (carry(units[i + 1].name, mb),)
-            ops.append(Op("forward", "compute", unit=u.name, mb=mb, slot=i % n_slots, mode="eval",
+            ops.append(Op("forward", "compute", unit=u.name, mb=mb, slot=slot[i], mode="eval",
                           reads=tuple(reads), writes=writes, workspace_bytes=u.peak_fwd_bytes))
             if u.carry_in:
                 ops.append(Op("free", "compute", buffer=carry(u.name, mb)))
-        if i + n_slots < len(units):
-            load(i + n_slots)
+        if i in ahead:
+            load(ahead[i])
     synced, _ = insert_sync(ops, ir, repeats=False)
     for op in synced:
         if op.event is not None:

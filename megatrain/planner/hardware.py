@@ -49,11 +49,19 @@ DEFAULT_INIT_PARAMS_PER_S = 1.5e8
 # GPU servers: assumed, not measured: 16 creation threads, each first touching as fast as the kernel zeroes 2 MiB
 # pages and drawing normal values a little slower than one core of the CI VM did
 SERVER_TOUCH = {"host_touch_bytes_per_s": 40e9, "host_init_params_per_s": 4e9}
+# Checkpoint writes (planner/checkpoint_writes.py): assumed, not measured, for every preset: one datacenter NVMe
+# drive's sustained sequential write with fsync, at the low end of what such drives state (2-7 GB/s), and a
+# file's fsync on a drive without power-loss protection; `megatrain probe --checkpoint-dir DIR` measures the folder a run writes to.
+DISK_WRITE_BYTES_PER_S = 2e9
+DISK_FILE_LATENCY_S = 1e-3
 MATMUL_EFFICIENCY = 0.75
 LINK_EFFICIENCY = 0.85
 HOST_BW_EFFICIENCY = 0.5
 COLLECTIVE_EFFICIENCY = 0.8
 DEVICE_CAST_EFFICIENCY = 0.5  # of nominal HBM bandwidth: a conversion kernel streams, far below any preset's link
+# of nominal HBM bandwidth: what a device-resident unit's AdamW step (torch's fused kernel, a streaming
+# elementwise pass over weights, gradients and moments) is priced at; `megatrain probe` measures the step itself
+DEVICE_MEMORY_EFFICIENCY = 0.5
 CAST_BYTES = 4 + 2  # per element cast: read the fp32, write the bf16
 # A GPU host's h2d worker casts on 2 threads (runtime/cpus.py). Per thread count, elements/s: the low end of what
 # torch's copy_ measured there (2-5 G/s on the h2d worker's two threads, the issue that added planner/cast.py)
@@ -121,6 +129,15 @@ class Hardware(IRModel):
     device_cast_elements_per_s: float | None = Field(
         None, gt=0, description="fp32 -> bf16 elements/s of a cast on the device (the 'gpu' placement of "
         "planner/cast.py); None: not known, so the planner does not offer it")
+    device_memory_bytes_per_s: float | None = Field(
+        None, gt=0, description="device memory bandwidth a streaming elementwise kernel achieves: what the AdamW "
+        "step of a unit whose state lives on the device (issue 40) is priced at; None: priced at "
+        "host_memory_bytes_per_s")
+    disk_write_bytes_per_s: float = Field(
+        DISK_WRITE_BYTES_PER_S, gt=0, description="bytes/s a checkpoint's files are written and fsynced at, in "
+        "the checkpoint folder (`megatrain probe --checkpoint-dir DIR` measures it; presets assume one NVMe drive)")
+    disk_file_latency_s: float = Field(DISK_FILE_LATENCY_S, ge=0, description="fixed cost of writing and fsyncing "
+                                       "one checkpoint file")
     host_sockets: int = Field(1, ge=1, le=64, description="CPU sockets of a node: ranks on different sockets "
                               "step their host optimizers on separate DRAM (host_memory_bytes_per_s is one's)")
     source: str = Field("", description="where the figures come from")
@@ -207,7 +224,8 @@ def _nominal(name: str, *, gpu_gib: float, bf16_tflops: float, fp32_tflops: floa
     extra.update(intra_node_bytes_per_s=intra_gbs * 1e9 * COLLECTIVE_EFFICIENCY,
                  inter_node_bytes_per_s=nic_gbps / 8 * 1e9 * COLLECTIVE_EFFICIENCY, host_sockets=sockets,
                  host_cast_elements_per_s=HOST_CAST, cast_threads=2,
-                 device_cast_elements_per_s=hbm_tbs * 1e12 * DEVICE_CAST_EFFICIENCY / CAST_BYTES)
+                 device_cast_elements_per_s=hbm_tbs * 1e12 * DEVICE_CAST_EFFICIENCY / CAST_BYTES,
+                 device_memory_bytes_per_s=hbm_tbs * 1e12 * DEVICE_MEMORY_EFFICIENCY)
     return Hardware(
         name=name, gpu_memory_bytes=int(gpu_gib * GiB),
         matmul_flops={k: v * MATMUL_EFFICIENCY for k, v in peak.items()}, peak_flops=peak,
@@ -216,7 +234,8 @@ def _nominal(name: str, *, gpu_gib: float, bf16_tflops: float, fp32_tflops: floa
         source=source + f"; achievable = {MATMUL_EFFICIENCY:.0%} matmul, {LINK_EFFICIENCY:.0%} link, "
         f"{HOST_BW_EFFICIENCY:.0%} host DRAM, {COLLECTIVE_EFFICIENCY:.0%} collectives of nominal; cast: host "
         f"{HOST_CAST[2] / 1e9:g} G elements/s on the h2d worker's 2 threads (HOST_CAST), GPU {hbm_tbs:g} TB/s HBM x "
-        f"{DEVICE_CAST_EFFICIENCY:.0%} / 6 B", **extra)
+        f"{DEVICE_CAST_EFFICIENCY:.0%} / 6 B; a device-resident AdamW step at {DEVICE_MEMORY_EFFICIENCY:.0%} of the "
+        "HBM", **extra)
 
 
 _PCIE5 = "PCIe Gen5 x16 64 GB/s per direction"
@@ -265,11 +284,13 @@ PRESETS = {
         allocator_margin=0.0, reserved_bytes=0, op_overhead_s=2e-5, copy_latency_s=2e-5,
         intra_node_bytes_per_s=1e9, inter_node_bytes_per_s=1e9, collective_latency_s=2e-4,
         host_cast_elements_per_s={1: 1e10 / CAST_BYTES}, cast_threads=1, device_cast_elements_per_s=1e10 / CAST_BYTES,
+        device_memory_bytes_per_s=1e10,
         source="simulated device on a 2-core CI machine (runtime 'sim'): round figures below what "
         "`megatrain probe --device cpu` measured there (bf16 matmul 1.3-2.6 GFLOP/s without AMX, fp32 ~100 "
         "GFLOP/s, memcpy 4-10 GB/s, AdamW 16 GB/s, the fp32 -> bf16 cast 2.9-3.4 G elements/s at 1 thread, "
         "median: priced at the host bandwidth / 6 B, 1.67 G/s, on the h2d worker's 1 thread and for the sim "
-        "device's own cast, torch's on that worker); no margin or reserve because the sim pool is exact; "
+        "device's own cast, torch's on that worker; the sim device's memory is host memory, so a device step "
+        "is priced at the host's 10 GB/s); no margin or reserve because the sim pool is exact; "
         "collectives: gloo over localhost TCP, a round 1 GB/s and 0.2 ms each"),
 }
 

@@ -1,8 +1,9 @@
 """The planner: one ordered pipeline of named passes, each a pure function that records its decisions.
 
 Where it sits: `plan(ir, hardware, train, budget)` is the planner's entry point (docs/DESIGN.md 4.3); it runs
-host_policy -> chunks -> slots -> checkpoints -> order -> optimizer -> lower -> buffers -> sync -> cast -> verify ->
-estimate and assembles a Plan.
+host_policy -> chunks -> slots -> cast_prices -> residency -> checkpoints -> order -> optimizer -> lower ->
+collectives -> buffers -> sync -> cast -> verify -> estimate and assembles a Plan. The residency pass's "auto"
+prices its candidates by running checkpoints .. sync itself (`_trial`); the pipeline goes on from its choice.
 Try it: `megatrain plan --model tiny --hardware cpu --seq-len 128 --micro-batch 2 --explain`.
 
 Each pass takes the pipeline state and returns a new one plus its decision lines; nothing is mutated.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Buffer, Instr, Program
@@ -31,6 +32,7 @@ from .optimizer_order import choose_split
 from .placement import exact_timeline, minimal, search
 from .plan import PassRecord, Plan
 from .report import plan_fields
+from .residency import Trial, check_places, choose_auto, device_state_bytes
 from .schedule import (
     Decisions,
     buffer_specs,
@@ -67,6 +69,75 @@ def host_policy_pass(s: State) -> tuple[State, list[str]]:
     choice = choose(s.ir, s.hw.host_memory_bytes, clip, s.host_request, node)
     return dataclasses.replace(s, policy=choice.policy, host_floor=choice.floor_bytes, host_reason=choice.reason,
                                costs=cost_model(s.ir, s.hw, choice.policy, clip, s.world)), list(choice.lines)
+
+
+def residency_pass(s: State) -> tuple[State, list[str] | None]:
+    """Where each unit's state lives (residency.py, docs/DESIGN.md 5): "none" keeps every unit streamed (and
+    records nothing); a mapping forces the named units' places; "auto" is residency.choose_auto's choice."""
+    req = s.resident_request
+    if isinstance(req, str) and req == "none":
+        return s, None
+    if isinstance(req, str):
+        if req != "auto":
+            raise ValueError(f"resident={req!r}: pass 'none', 'auto' or a mapping of unit names to 'host', "
+                             "'weights' or 'device'")
+        chosen, lines = choose_auto(s.ir, s.costs, s.policy, s.train.grad_accum, _auto_refused(s),
+                                    lambda st: _fits(s, st), lambda st: _trial(s, st))
+        if chosen is not None:
+            s = dataclasses.replace(s, scheduled=chosen.scheduled)
+        state = () if chosen is None else chosen.state
+    else:
+        state = check_places(s.ir, dict(req), s.policy, s.world.nproc)
+        lines = [f"requested: {', '.join(f'{u.name} {p}' for u, p in zip(s.ir.units, state) if p != 'host')}"]
+    if not any(p != "host" for p in state):
+        return s, lines
+    dev = _dstate_bytes(s.ir, s.policy, state, s.rank_irs)
+    if dev:
+        lines.append(f"device state (master, moments, step counts): {format_bytes(sum(dev.values()))} for "
+                     f"{len(dev)} unit(s), out of the device budget")
+    return dataclasses.replace(s, state_place=state), lines
+
+
+def _auto_refused(s: State) -> str | None:
+    """Why auto keeps every unit streamed whatever the budget, or None."""
+    if s.world.nproc > 1:
+        return f"a data-parallel world ({s.world.nproc} ranks) streams every unit"
+    if s.policy.name != "exact":
+        return f"a device step runs the exact host policy's update only, not {s.policy.name}'s"
+    return None
+
+
+def _fits(s: State, state: tuple[str, ...]) -> bool:
+    """The least-memory schedule with `state`, but double-buffered (two shared parameter slots and two shared
+    gradient slots, what the step's overlap needs most), fits the device budget with the units' device state."""
+    n_host = sum(p == "host" for p in state)
+    dec = Decisions(2 if n_host > 1 else 1, 2, minimal(s.ir).placement, state=state)
+    dstate = sum(_dstate_bytes(s.ir, s.policy, state, s.rank_irs).values())
+    room = s.hw.device_bytes_for(s.budget) - s.device_reserve
+    return exact_timeline(s.ir, s.train.grad_accum, dec, s.barrier).peak + dstate <= room
+
+
+def _trial(s: State, state: tuple[str, ...]) -> Trial:
+    """The estimator's step of the program the schedule passes (checkpoints .. sync) make with `state`, at the
+    searched cast's prices; the run and its records ride along, so that plan() goes on from the chosen one."""
+    t = dataclasses.replace(s, state_place=state)
+    records: list[PassRecord] = []
+    try:
+        t = _run(t, records, PASSES[SCHEDULE:SYNCED])
+    except InfeasiblePlanError:
+        if "device" not in state and "weights" not in state:
+            raise  # every unit streamed does not plan: the error plan() gives without the pass
+        return Trial(state, None)
+    est = estimate_time(t.program, t.costs)
+    return Trial(state, est.step_time_s, est.bottleneck, est.bottleneck_share, scheduled=(t, records))
+
+
+def _dstate_bytes(ir: ModelIR, policy, state: tuple[str, ...], rank_irs: tuple = ()) -> dict[str, int]:
+    """unit -> bytes of its `dstate.{unit}`, for the units whose state lives on the device. In a world each
+    rank holds its shard's (rank_irs): the most any rank holds (their slices' step counts differ)."""
+    views = rank_irs or (ir,)
+    return {u.name: max(device_state_bytes(r.units[u.index], policy, ir.dtype) for r in views)
+            for u, p in zip(ir.units, state) if p == "device"}
 
 
 def chunks_pass(s: State) -> tuple[State, list[str]]:
@@ -114,13 +185,23 @@ def slots_pass(s: State) -> tuple[State, list[str]]:
 def checkpoints_pass(s: State) -> tuple[State, list[str]]:
     """Per-unit checkpoint placement plus slot counts, minimising predicted step time under the budget."""
     state_bytes = s.host_floor
-    device_budget = s.hw.device_bytes_for(s.budget) - s.device_reserve
+    dstate = sum(_dstate_bytes(s.ir, s.policy, s.state_place, s.rank_irs).values())
+    device_budget = s.hw.device_bytes_for(s.budget) - s.device_reserve - dstate
+    if s.state_place:
+        floor = exact_timeline(s.ir, s.train.grad_accum, minimal(s.ir, s.state_place), s.barrier).peak + dstate
+        if floor > s.hw.device_bytes_for(s.budget) - s.device_reserve:
+            names = [u.name for u, p in zip(s.ir.units, s.state_place) if p != "host"]
+            raise InfeasiblePlanError(
+                f"the units asked to keep state on the device ({', '.join(names)}) need at least "
+                f"{format_bytes(s.hw.gpu_bytes(floor))} of the {format_bytes(s.budget)} GPU budget; keep fewer of "
+                "them on the device (resident=...) or use a larger --gpu-mem", kind="gpu", needed_bytes=s.hw.gpu_bytes(floor),
+                budget_bytes=s.budget, dominant="device-resident state")
     # NOTE: each pinned checkpoint tensor starts on a PIN_ALIGN boundary: leave room for that, and for the
     # checkpoint staging buffers should a checkpoint too long for its own pinned copy go to the host
     slack = PAGE + PIN_ALIGN * s.train.grad_accum * sum(len(u.carry_in) + len(u.replay) for u in s.ir.units) + \
         staging_bytes(max((u.carry_in_bytes for u in s.ir.units), default=0))
     dec, lines, tl = search(s.ir, s.costs, s.train.grad_accum, s.barrier, device_budget,
-                            _host_room(s) - slack)
+                            _host_room(s) - slack, s.state_place)
     if tl.peak > device_budget:  # host too small for the checkpoints the GPU cannot take either
         K = s.train.grad_accum
         need = state_bytes + s.world.ranks_per_node * (slack + sum(K * u.carry_in_bytes for u in s.ir.units))
@@ -139,13 +220,18 @@ def order_pass(s: State) -> tuple[State, list[str]]:
     order = make_order(n, K, s.decisions)
     names = [u.name for u in s.ir.units]
     res = sorted(order.resident)
+    loaded = sum(order.place_of(i) != "device" for i in range(n))  # a device unit is never loaded
     lines = [f"forward {names[0]} .. {names[-1]}, backward {names[-1]} .. {names[0]}; all {K} micro-batch(es) "
              "through a unit before the next",
              f"{len(res)} unit(s) stay resident across the turn ({names[res[0]]} .. {names[res[-1]]}); "
-             f"{len(order.reloads)} reloaded once for the backward: {n + len(order.reloads)} loads per step "
+             f"{len(order.reloads)} reloaded once for the backward: {loaded + len(order.reloads)} loads per step "
              f"instead of {2 * n * K} micro-batch by micro-batch",
              f"unit i uses slot i % {s.decisions.n_slots} in both passes; gradient slots round-robin "
              f"over {s.decisions.n_grad_slots}"]
+    if order.state:  # per-unit state (residency.py): the shared slots rotate among the streamed units only
+        lines[-1] = (f"the j-th streamed unit uses slot j % {s.decisions.n_slots} in both passes, each unit not "
+                     f"streamed a slot of its own; gradient slots round-robin over {s.decisions.n_grad_slots}, "
+                     "each device unit a gradient slot of its own")
     return dataclasses.replace(s, order=order), lines
 
 
@@ -183,7 +269,7 @@ def collectives_pass(s: State) -> tuple[State, list[str] | None]:
 
 
 def buffers_pass(s: State) -> tuple[State, list[str]]:
-    specs = buffer_specs(s.ir, s.train.grad_accum, s.decisions)
+    specs = buffer_specs(s.ir, s.train.grad_accum, s.decisions, _dstate_bytes(s.ir, s.policy, s.state_place, s.rank_irs))
     bufs = tuple(Buffer(name=n, kind=k, nbytes=b, static=st, unit=u, mb=m) for n, k, b, st, u, m in specs)
     static = sum(b.nbytes for b in bufs if b.static)
     kinds: dict[str, int] = {}
@@ -191,8 +277,10 @@ def buffers_pass(s: State) -> tuple[State, list[str]]:
         if not b.static:
             kinds[b.kind] = kinds.get(b.kind, 0) + 1
     return dataclasses.replace(s, buffers=bufs), [
-        f"static {format_bytes(static)}: {s.decisions.n_slots} x slot {format_bytes(slot_bytes(s.ir))}, "
-        f"{s.decisions.n_grad_slots} x gradient slot {format_bytes(grad_slot_bytes(s.ir))}, rope, batch, loss",
+        f"static {format_bytes(static)}: {s.decisions.n_slots} x slot {format_bytes(slot_bytes(s.ir, s.state_place))}, "
+        f"{s.decisions.n_grad_slots} x gradient slot {format_bytes(grad_slot_bytes(s.ir, s.state_place))}, rope, batch, loss"
+        + (f", the dedicated slots and device state of {sum(p != 'host' for p in s.state_place)} unit(s)"
+           if s.state_place else ""),
         "dynamic: " + ", ".join(f"{v} {k}" for k, v in kinds.items())]
 
 
@@ -253,40 +341,46 @@ def estimate_pass(s: State) -> tuple[State, list[str]]:
 
 PASSES: tuple[tuple[str, Pass], ...] = (
     ("host_policy", host_policy_pass), ("chunks", chunks_pass), ("slots", slots_pass),
-    ("cast_prices", cast_prices_pass), ("checkpoints", checkpoints_pass), ("order", order_pass),
+    ("cast_prices", cast_prices_pass), ("residency", residency_pass), ("checkpoints", checkpoints_pass), ("order", order_pass),
     ("optimizer", optimizer_pass), ("lower", lower_pass), ("collectives", collectives_pass),
     ("buffers", buffers_pass), ("sync", sync_pass), ("cast", cast_pass), ("verify", verify_pass),
     ("estimate", estimate_pass))
 
 
 def plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_bytes: int | str | None = None,
-         host_policy: str = "auto", world: World | None = None, barrier: bool = False) -> Plan:
+         host_policy: str = "auto", world: World | None = None, barrier: bool = False,
+         resident: str | Mapping[str, str] = "auto") -> Plan:
     """Plan one optimizer step of `ir` on `hardware` under `gpu_budget_bytes` (default: the GPU's memory),
     holding the host state under `host_policy` (a name of host_policy.POLICIES, or auto: the most exact that
     fits). With `world` (World(nproc=R, nnodes=N)): the step of one of R data-parallel ranks, each running
     grad_accum / R of the global step's micro-batches, the model state sharded (world.py). Raises
     InfeasiblePlanError (a ValueError) naming the smallest budget that works. With `barrier`, the host optimizer
     starts once every gradient has landed (the clip_grads barrier) even without clipping: a step that is
-    applied whole or not at all (the runtime's on_nan="skip") needs it."""
+    applied whole or not at all (the runtime's on_nan="skip") needs it. `resident`: where each unit's state
+    lives (docs/DESIGN.md 5): "none" streams every unit; a mapping {unit: "host" | "weights" | "device"} forces
+    the named units' places (the rest "host"); "auto" (the default) lets the residency pass choose (residency.py)."""
     if not isinstance(ir, ModelIR):
         raise ValueError(f"plan takes a ModelIR (megatrain.trace(model, micro_batch, seq_len)), got "
                          f"{type(ir).__name__}")
     if not isinstance(train, TrainSpec):
         raise ValueError(f"train must be a TrainSpec, e.g. TrainSpec(micro_batch=1, seq_len=4096), got "
                          f"{type(train).__name__}")
+    if not isinstance(resident, str | Mapping):
+        raise ValueError(f"resident must be 'none', 'auto' or a mapping like {{'embed': 'device'}}, got "
+                         f"{type(resident).__name__}")
     if world is not None and not isinstance(world, World):
         raise ValueError(f"world must be a World, e.g. World(nproc=8), got {type(world).__name__}")
     paused = gc.isenabled()
     gc.disable()  # NOTE: planning builds many small acyclic objects; the cyclic GC would cost time for nothing
     try:
-        return _plan(ir, hardware, train, gpu_budget_bytes, host_policy, world or World(), barrier)
+        return _plan(ir, hardware, train, gpu_budget_bytes, host_policy, world or World(), barrier, resident)
     finally:
         if paused:
             gc.enable()
 
 
 def _plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_bytes: int | str | None,
-          host_policy: str, world: World, barrier: bool) -> Plan:
+          host_policy: str, world: World, barrier: bool, resident: str | Mapping[str, str] = "auto") -> Plan:
     t0 = time.perf_counter()
     hw = resolve_hardware(hardware)
     budget = hw.gpu_memory_bytes if gpu_budget_bytes is None else parse_bytes(gpu_budget_bytes)
@@ -295,16 +389,23 @@ def _plan(ir: ModelIR, hardware: Hardware | str, train: TrainSpec, gpu_budget_by
     ir = world_ir(ir, world.nproc)
     ranks = tuple(rank_ir(ir, world.nproc, r) for r in range(world.nproc)) if world.nproc > 1 else ()
     state = State(ir=ir, hw=hw, train=local, budget=budget, costs=CostModel(ir, hw), host_request=host_policy,
-                  world=world, global_train=train, rank_irs=ranks, barrier=barrier or train.clip_norm is not None)
+                  world=world, global_train=train, rank_irs=ranks, barrier=barrier or train.clip_norm is not None,
+                  resident_request=resident)
     records: list[PassRecord] = []
     base = _run(state, records, PASSES[:SCHEDULE])
     head = list(records)
-    state = _run(base, records, PASSES[SCHEDULE:])
+    if base.scheduled is not None:  # the residency pass ran the schedule passes on its choice already
+        state, done = base.scheduled
+        records += done
+        state = _run(state, records, PASSES[SYNCED:])
+    else:
+        state = _run(base, records, PASSES[SCHEDULE:])
     state, records = _replan(base, head, state, records)
     return Plan(**plan_fields(state, tuple(records), time.perf_counter() - t0))
 
 
 SCHEDULE = [name for name, _ in PASSES].index("checkpoints")  # the first pass that prices the ops
+SYNCED = [name for name, _ in PASSES].index("sync") + 1  # the passes before it make the synced program
 
 
 def _run(state: State, records: list[PassRecord], passes) -> State:
@@ -324,7 +425,7 @@ def _replan(base: State, head: list[PassRecord], state: State, records: list[Pas
     if where in ("none", base.searched_cast):
         return state, records
     again = dataclasses.replace(_searched_with(base, where), first_cast=state.cast,
-                                first_searched=base.searched_cast)
+                                first_searched=base.searched_cast, scheduled=None)
     recs = list(head)
     try:
         again = _run(again, recs, PASSES[SCHEDULE:])

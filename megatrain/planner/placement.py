@@ -42,9 +42,10 @@ from .timeline import Timeline, walk
 MAX_REJECTIONS = 6
 
 
-def minimal(ir: ModelIR) -> Decisions:
-    """The least-memory schedule: one slot, one gradient slot, every checkpoint on host."""
-    return Decisions(1, 1, tuple("host" if u.carry_in else "device" for u in ir.units))
+def minimal(ir: ModelIR, state: tuple[str, ...] = ()) -> Decisions:
+    """The least-memory schedule: one slot, one gradient slot, every checkpoint on host (with the units' state
+    places `state`, Decisions.state)."""
+    return Decisions(1, 1, tuple("host" if u.carry_in else "device" for u in ir.units), state=tuple(state))
 
 
 def exact_timeline(ir: ModelIR, n_micro: int, dec: Decisions, clip: bool) -> Timeline:
@@ -67,18 +68,23 @@ class _Move:
 class _Model:
     """The analytic step-time model, on sums that moves change in O(1)."""
 
-    def __init__(self, ir: ModelIR, costs: CostModel, n_micro: int, clip: bool):
+    def __init__(self, ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, state: tuple[str, ...] = ()):
         K, c = n_micro, costs
         self.n, self.clip = len(ir.units), clip
+        where = [state[i] if state else "host" for i in range(self.n)]
+        host = [i for i in range(self.n) if where[i] == "host"]
+        dev = [i for i in range(self.n) if where[i] == "device"]
+        self.n_host = len(host)  # the units the shared slots rotate among
         self.cf = sum(K * f for f in c.fwd)
-        self.cb0 = sum(K * b for b in c.bwd)
-        self.load_prefix = [0.0]
-        for x in c.load:
-            self.load_prefix.append(self.load_prefix[-1] + x)
-        self.load_f = self.load_prefix[-1]
-        self.store = sum(c.store)
-        self.tail = c.store[0] + c.opt[0] + c.load[0]
-        self.opt = sum(c.opt)
+        # a device unit is stepped on the compute stream, its norms cross d2h; it is never loaded nor stored
+        self.cb0 = sum(K * b for b in c.bwd) + sum(c.dstep[i] for i in dev)
+        self.load_prefix = [0.0]  # over the streamed units, whose last S stay resident for the backward
+        for i in host:
+            self.load_prefix.append(self.load_prefix[-1] + c.load[i])
+        self.load_f = sum(c.load[i] for i in range(self.n) if where[i] != "device")
+        self.store = sum(c.store[i] for i in range(self.n) if where[i] != "device") + sum(c.norms_copy[i] for i in dev)
+        self.tail = c.dstep[0] if where[0] == "device" else c.store[0] + c.opt[0] + c.load[0]
+        self.opt = sum(c.opt[i] for i in range(self.n) if where[i] != "device")
         self.clip_s = c.clip if clip else 0.0
         self.rec = [K * f for f in c.recompute]
         self.off = [K * o for o in c.offload]
@@ -90,7 +96,7 @@ class _Model:
 
     def time(self, S: int, G: int, rec: float, off: float, on: float) -> tuple[float, float]:
         """(predicted step, its GPU-side part)."""
-        load_b = self.load_prefix[max(0, self.n - S)]
+        load_b = self.load_prefix[max(0, self.n_host - S)]
         F = max(self.cf + self.load_f, off) if S == 1 else max(self.cf, self.load_f, off)
         Bc = self.cb0 + rec + (self.store if G == 1 else 0.0) + (load_b if S == 1 else 0.0)
         B = max(Bc, load_b + on, self.store)
@@ -127,16 +133,20 @@ def _state(label: str) -> tuple[str, bool]:
 
 
 def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budget: int,
-           host_budget: int) -> tuple[Decisions, list[str], Timeline]:
+           host_budget: int, state: tuple[str, ...] = ()) -> tuple[Decisions, list[str], Timeline]:
     """Decisions minimising predicted step time with exact peak <= device_budget and host checkpoints
     <= host_budget, the decision lines, and the decisions' exact timeline. Its peak exceeds device_budget
-    only when host memory forced checkpoints onto a GPU that cannot hold them (the pass reports that)."""
+    only when host memory forced checkpoints onto a GPU that cannot hold them (the pass reports that).
+    `state`: each unit's state place (Decisions.state), kept: the dedicated slots of units not on the host are
+    in every candidate's exact peak, the shared slots rotate among the host units, and the caller leaves the
+    device units' `dstate` bytes out of `device_budget`."""
     K, n = n_micro, len(ir.units)
-    model = _Model(ir, costs, K, clip)
+    state = tuple(state) if any(p != "host" for p in state) else ()
+    model = _Model(ir, costs, K, clip, state)
     S, G = 1, 1
-    place = list(minimal(ir).placement)
+    place = list(minimal(ir, state).placement)
     rep = [False] * n
-    sb, gb = slot_bytes(ir), grad_slot_bytes(ir)
+    sb, gb = slot_bytes(ir, state), grad_slot_bytes(ir, state)
     cin = [K * u.carry_in_bytes for u in ir.units]
     sav = [K * u.saved_bytes for u in ir.units]
     side = [K * (u.rebuild_bytes or 0) for u in ir.units]
@@ -158,7 +168,7 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
     host = sum(host_of(i, place[i], False) for i in range(n))
 
     def decisions() -> Decisions:
-        return Decisions(S, G, tuple(place), replay=tuple(rep) if any(rep) else ())
+        return Decisions(S, G, tuple(place), replay=tuple(rep) if any(rep) else (), state=state)
 
     tl = exact_timeline(ir, K, decisions(), clip)
     peak = tl.peak
@@ -168,7 +178,7 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
         if place[i] == "host":
             place[i] = "device"
             off, on, host = off - model.off[i], on - model.on[i], host - cin[i]
-    if place != list(minimal(ir).placement):
+    if place != list(minimal(ir, state).placement):
         tl = exact_timeline(ir, K, decisions(), clip)
         peak = tl.peak
         lines.append(f"host memory holds {format_bytes(host_budget)} of checkpoints: "
@@ -181,7 +191,7 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
                  f"{format_bytes(device_budget)} for the program; analytic step {t0:.4g} s")
 
     def candidates():
-        if S < n:
+        if S < model.n_host:
             yield _Move("slot", -1, "", sb)
         if G < 2:
             yield _Move("grad", -1, "", gb)
@@ -235,7 +245,7 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
         # a rebuild also holds the next carry-in longer in backward: its bytes are no bound, check exactly
         bound = best.nbytes if best.bound is None else best.bound
         if best.to == "rebuild" or peak + bound > device_budget:
-            trial = _apply(best, S, G, place, rep)
+            trial = _apply(best, S, G, place, rep, state)
             tl_try = exact_timeline(ir, K, trial, clip)
             if tl_try.peak > device_budget:
                 rejected.add(best)
@@ -279,7 +289,7 @@ def search(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, device_budge
 
 def analytic_time(ir: ModelIR, costs: CostModel, n_micro: int, clip: bool, dec: Decisions) -> float:
     """The search's analytic step time of decisions `dec` (for comparing the searches of other IRs)."""
-    model = _Model(ir, costs, n_micro, clip)
+    model = _Model(ir, costs, n_micro, clip, dec.state)
     states = [(p, dec.replays(i)) for i, p in enumerate(dec.placement)]
     rec = sum(model.rec_of(i, p, r) for i, (p, r) in enumerate(states))
     off = sum(model.link_of(i, p, r)[0] for i, (p, r) in enumerate(states))
@@ -297,7 +307,7 @@ def _replays(rep: list[bool]) -> str:
     return f", {n} replaying attention" if n else ""
 
 
-def _apply(m: _Move, S: int, G: int, place: list[str], rep: list[bool]) -> Decisions:
+def _apply(m: _Move, S: int, G: int, place: list[str], rep: list[bool], state: tuple[str, ...] = ()) -> Decisions:
     if m.kind == "slot":
         S += 1
     elif m.kind == "grad":
@@ -305,7 +315,7 @@ def _apply(m: _Move, S: int, G: int, place: list[str], rep: list[bool]) -> Decis
     p, r = list(place), list(rep)
     if m.kind == "ckpt":
         p[m.unit], r[m.unit] = _state(m.to)
-    return Decisions(S, G, tuple(p), replay=tuple(r) if any(r) else ())
+    return Decisions(S, G, tuple(p), replay=tuple(r) if any(r) else (), state=state)
 
 
 def _describe(m: _Move, ir: ModelIR) -> str:

@@ -53,6 +53,10 @@ class UnitPlan(IRModel):
     slot: int
     grad_slot: int
     resident: bool = Field(description="stays in its slot from forward to backward (no reload)")
+    state: Literal["host", "weights", "device"] = Field(
+        "host", description="where its state lives: host (streamed), weights (its compute-dtype weights stay on "
+        "the device, the optimizer on the host), device (weights, gradient and AdamW state on the device, "
+        "stepped there)")
     checkpoint_bytes: int = Field(description="device or host bytes of its checkpoints (keep: + saved graph; "
                                   "replay: + the attention records)")
     forward_s: float
@@ -78,6 +82,9 @@ class Plan(IRModel):
     slot_bytes: int
     grad_slot_bytes: int
     placement: dict[str, Literal["device", "host", "keep", "rebuild"]]
+    state_place: dict[str, Literal["host", "weights", "device"]] = Field(
+        default_factory=dict, description="per unit, where its state lives (the residency pass; UnitPlan.state)")
+    resident_units: tuple[str, ...] = Field((), description="units whose state place is not host, forward order")
     units: tuple[UnitPlan, ...]
     peak_gpu_bytes: int = Field(description="reserved + (buffers + workspace peak) x (1 + allocator margin)")
     peak_device_bytes: int = Field(description="peak of buffers + workspace, before reserve and margin")
@@ -110,7 +117,8 @@ class Plan(IRModel):
     critical_path_s: dict[str, float] = Field(description="seconds per resource on the steady-state critical path")
     busy_s: dict[str, float] = Field(description="seconds each resource works per step")
     compute_bound_tokens_per_s: float = Field(description="tokens/s if compute ran alone, without recompute")
-    link_bound_tokens_per_s: float = Field(description="tokens/s if each unit crossed h2d and d2h once")
+    link_bound_tokens_per_s: float = Field(description="tokens/s if each unit crossed h2d and d2h once (a unit "
+                                           "whose state lives on the device does not cross)")
     planner_seconds: float
 
     @property
@@ -149,6 +157,7 @@ class Plan(IRModel):
             "link_bound_tokens_per_s": self.link_bound_tokens_per_s,
             "n_slots": self.n_slots, "prefetch_distance": self.prefetch_distance,
             "n_grad_slots": self.n_grad_slots, "n_instructions": len(self.program.instrs),
+            "resident_units": list(self.resident_units), "state_place": self.state_place,
             "chunk_tokens": self.ir.chunk_tokens, "traced_seq_len": self.ir.traced_seq_len,
             "planner_seconds": self.planner_seconds,
             "units": [u.model_dump() for u in self.units],

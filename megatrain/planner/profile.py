@@ -34,12 +34,12 @@ from pydantic import Field
 from megatrain.ir.base import IRModel
 from megatrain.ir.model_ir import ModelIR
 
-PROFILE_VERSION = 10  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
+PROFILE_VERSION = 11  # 2: warm repeats of forward and recompute-backward; 3: the one-pass host optimizer's rates;
 # 4: attention replay's forward and backward; 5: kept graphs timed as a pass (unit_probe.PASS_BYTES); 6: contention
 # as the median of paired ratios over unit_probe.CONTENTION_ROUNDS, the host kernel's prefetch and clip multiply;
 # 7: the host kernel's AVX-512 fp8 loop (fp8's rate); 8: fp8's one-division update (fp8's rate); 9: fp8's codes
 # through fp16 and fused update (fp8's rate); 10: loads per place of the compute-dtype cast (`load_cast_s`), the
-# host cast in C (runtime/cast_kernel.c)
+# host cast in C (runtime/cast_kernel.c); 11: a device-resident unit's device step and norm store (issue 40)
 
 
 class UnitTimes(IRModel):
@@ -69,6 +69,12 @@ class UnitTimes(IRModel):
     reload_s: float = Field(0.0, ge=0, description="load_act of its carry-in checkpoint")
     optimizer_s: dict[str, float] = Field(description="host policy -> optimizer_step of the unit, no clipping")
     optimizer_clip_s: dict[str, float] = Field(description="host policy -> optimizer_step with a clip factor < 1")
+    device_step_s: dict[str, float] = Field(default_factory=dict, description="host policy -> device_step of the "
+                                            "unit with its state on the device (no clipping)")
+    device_step_clip_s: dict[str, float] = Field(default_factory=dict, description="host policy -> device_step "
+                                                 "with a clip factor < 1")
+    store_norms_s: float | None = Field(None, ge=0, description="store_norms: a device unit's per-parameter "
+                                        "gradient norms to the host")
 
 
 class UnitProfile(IRModel):

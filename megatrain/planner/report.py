@@ -24,7 +24,10 @@ def program_host_breakdown(ir: ModelIR, program: Program, policy: HostPolicy | s
     """Host bytes by component of `program` under `policy`: host_policy.host_layout with the program's own
     host gradient buffers (store_grads' host_grad) and offloaded checkpoints."""
     index = {u.name: i for i, u in enumerate(ir.units)}
-    assignment = list(range(len(ir.units)))
+    assignment: list[int | None] = list(range(len(ir.units)))
+    for ins in program.instrs:
+        if ins.op == "device_step":  # stepped on the device: no host gradient buffer (runtime/store.py agrees)
+            assignment[index[ins.unit]] = None
     for ins in program.instrs:
         if ins.op == "store_grads" and ins.host_grad is not None:
             assignment[index[ins.unit]] = ins.host_grad
@@ -43,17 +46,20 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
         host = place == "host" and bool(u.carry_in)
         resident = i in order.resident
         rep = dec.replays(i)
+        where = dec.place_of(i)
         ckpt = K * (u.rebuild_bytes if place == "rebuild" else u.carry_in_bytes + (u.saved_bytes if place == "keep" else 0)
                     + (u.replay_bytes if rep else 0))
         moved = K * costs.offload_replay[i] if host and rep else 0.0
         back = K * costs.reload_replay[i] if host and rep else 0.0
         units.append(UnitPlan(
             name=u.name, kind=u.kind, params=u.n_params, placement=place, replay=rep, slot=order.slot[i],
-            grad_slot=order.grad_slot[i], resident=resident, checkpoint_bytes=ckpt,
+            grad_slot=order.grad_slot[i], resident=resident, checkpoint_bytes=ckpt, state=dec.place_of(i),
             forward_s=K * (costs.fwd_replay[i] if rep else costs.fwd[i]),
             backward_s=K * costs.backward(i, place == "keep", place == "rebuild", rep),
-            h2d_s=costs.load[i] * (1 if resident else 2) + (K * costs.reload[i] if host else 0.0) + back,
-            d2h_s=costs.store[i] + (K * costs.offload[i] if host else 0.0) + moved, optimizer_s=costs.opt[i]))
+            h2d_s=(0.0 if where == "device" else costs.load[i] * (1 if resident else 2))
+            + (K * costs.reload[i] if host else 0.0) + back,
+            d2h_s=(costs.norms_copy[i] if where == "device" else costs.store[i]) + (K * costs.offload[i] if host else 0.0)
+            + moved, optimizer_s=costs.dstep[i] if where == "device" else costs.opt[i]))
     per_rank = [program_host_breakdown(r, s.program, s.policy) for r in s.rank_irs or (ir,)]
     totals = [sum(h.values()) for h in per_rank]
     host = per_rank[totals.index(max(totals))]  # the rank holding the most
@@ -63,7 +69,9 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
     step = est.step_time_s
     flops = hw.flops(ir.dtype)
     db = dtype_bytes(ir.dtype)
-    crossing = sum(u.flat_numel for u in (s.rank_irs[0] if s.rank_irs else ir).units)  # elements per link pass
+    # elements per link pass: a unit whose state lives on the device never crosses
+    crossing = sum(u.flat_numel for i, u in enumerate((s.rank_irs[0] if s.rank_irs else ir).units)
+                   if dec.place_of(i) != "device")
     h2d_once = crossing * db / hw.h2d_bytes_per_s
     d2h_once = crossing * 4 / hw.d2h_bytes_per_s
     peak_ins = s.program.instrs[tl.index[tl.peak_at]] if tl.index else None
@@ -72,6 +80,8 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
         n_slots=dec.n_slots, prefetch_distance=dec.prefetch_distance, n_grad_slots=dec.n_grad_slots,
         slot_bytes=s.buffers[0].nbytes, grad_slot_bytes=s.buffers[dec.n_slots].nbytes,
         placement={u.name: p for u, p in zip(ir.units, dec.placement)}, units=tuple(units),
+        state_place={u.name: dec.place_of(i) for i, u in enumerate(ir.units)},
+        resident_units=tuple(u.name for i, u in enumerate(ir.units) if dec.place_of(i) != "host"),
         peak_gpu_bytes=hw.gpu_bytes(tl.peak), peak_device_bytes=tl.peak, peak_buffer_bytes=tl.peak_buffers,
         peak_at=f"{tl.index[tl.peak_at]}: {str(peak_ins).strip()}" if peak_ins else "",
         memory_timeline=tuple(tl.total), host_bytes=sum(host.values()), host_breakdown=host,
@@ -86,4 +96,4 @@ def plan_fields(s: State, passes: tuple[PassRecord, ...], seconds: float) -> dic
         bottleneck=est.bottleneck, bottleneck_share=est.bottleneck_share, critical_path_s=est.critical_s,
         busy_s=est.busy_s, compute_bound_tokens_per_s=tokens / (max(model_flops, 1) / flops),
         collectives_s=sum(d for d, ins in zip(est.duration_s, s.program.instrs) if ins.stream == "comm"),
-        link_bound_tokens_per_s=tokens / max(h2d_once, d2h_once), planner_seconds=seconds)
+        link_bound_tokens_per_s=tokens / max(h2d_once, d2h_once, 1e-9), planner_seconds=seconds)

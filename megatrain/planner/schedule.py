@@ -35,10 +35,15 @@ class Decisions:
     # per unit: its checkpoint also keeps the fused attention's outputs, which its recompute replays
     # (models/replay.py; only with placement device or host); empty: none does
     replay: tuple[bool, ...] = ()
+    # per unit: where its state lives (issue 40): "host" (streamed), "weights" (a dedicated slot, loaded once a
+    # step) or "device" (dedicated slots, its optimizer state on the device, stepped by device_step); empty: all host
+    state: tuple[str, ...] = ()
 
     def replays(self, i: int) -> bool:
         return bool(self.replay) and self.replay[i]
 
+    def place_of(self, i: int) -> str:
+        return self.state[i] if self.state else "host"
 
     @property
     def prefetch_distance(self) -> int:
@@ -90,22 +95,44 @@ def can_rebuild(ir: ModelIR, i: int) -> bool:
     return u.rebuild_bytes is not None and u.carry_in and u.rebuild_bytes < u.carry_in_bytes and i + 1 < len(ir.units)
 
 
-def slot_bytes(ir: ModelIR) -> int:
-    """One parameter slot: the largest unit's flat buffer in the compute dtype (and its fp32 buffers, if any)."""
-    return max(u.slot_bytes(ir.dtype) for u in ir.units)
+def slot_bytes(ir: ModelIR, state: tuple[str, ...] = ()) -> int:
+    """One shared parameter slot: the largest streamed ("host") unit's flat buffer in the compute dtype (and
+    its fp32 buffers, if any); with no state given, the largest unit's."""
+    return max((u.slot_bytes(ir.dtype) for u in ir.units if not state or state[u.index] == "host"), default=0)
 
 
-def grad_slot_bytes(ir: ModelIR) -> int:
-    """One gradient slot: the largest unit's flat buffer in fp32, then its per-parameter gradient norms (fp32,
+def unit_grad_bytes(u) -> int:
+    """A gradient slot holding unit `u`: its flat buffer in fp32, then its per-parameter gradient norms (fp32,
     one per parameter: what `backward(norm=True)` writes after the gradients)."""
-    return max(u.flat_numel + len(u.params) for u in ir.units) * 4
+    return (u.flat_numel + len(u.params)) * 4
+
+
+def grad_slot_bytes(ir: ModelIR, state: tuple[str, ...] = ()) -> int:
+    """One shared gradient slot: the largest unit's that uses one (every unit but a "device" one)."""
+    return max((unit_grad_bytes(u) for u in ir.units if not state or state[u.index] != "device"), default=0)
+
+
+# elements per in-cache chunk of the AdamW step (runtime/host_adamw.py STEP_CHUNK is this value): bounds the
+# scratch a device-resident unit's step allocates
+STEP_CHUNK = 1 << 20
+# the most scratch bytes per chunk element a device step allocates: the fp32 chunks of runtime/host_adamw.py
+# _Scratch (gradient, first and second moment; a clipped step scales the gradient into the first)
+SCRATCH_BYTES_PER_ELEMENT = 4 * 3
+
+
+def device_step_workspace(unit) -> int:
+    """Transient device bytes of a device step of `unit` (planner/residency.py), an upper bound: its chunk
+    scratch (nothing without a clip factor, where the step updates the tensors in place)."""
+    largest = max((p.numel for p in unit.params if p.name not in unit.tied), default=0)
+    return SCRATCH_BYTES_PER_ELEMENT * min(STEP_CHUNK, largest)
 
 
 HOST_GRAD_RING = 2  # the fewest host gradient buffers the units stepped as their gradients land take turns in
 
 
 def host_grad_assignment(ir: ModelIR, order_backward: tuple[int, ...], clip: bool,
-                         optimizer_split: int | None = None, ring: int = HOST_GRAD_RING) -> tuple[int, ...]:
+                         optimizer_split: int | None = None, ring: int = HOST_GRAD_RING,
+                         state: tuple[str, ...] = ()) -> tuple[int | None, ...]:
     """Per unit (depth index): the host gradient buffer `hgrad{k}` its store_grads lands in.
 
     A unit stepped as its gradients land (the first `optimizer_split` units of the backward, without clipping)
@@ -113,18 +140,20 @@ def host_grad_assignment(ir: ModelIR, order_backward: tuple[int, ...], clip: boo
     ring of `ring` buffers (at least two, so one store overlaps the previous unit's step; more let the
     backward run further ahead of the host optimizer). Every other unit's gradient waits (for clip_grads, or
     for the backward to end) and gets a buffer of its own; so does a unit holding tied parameters, whose
-    gradient its owner's step reads. Ring buffers come first."""
+    gradient its owner's step reads. Ring buffers come first. A unit whose state lives on the device (`state`
+    "device") has none: None."""
     n = len(ir.units)
     split = n if optimizer_split is None else optimizer_split
     landing = set() if clip else set(order_backward[:split])
-    turns = [i for i in order_backward if i in landing and not ir.units[i].tied]
+    on_device = {i for i in range(n) if state and state[i] == "device"}
+    turns = [i for i in order_backward if i in landing and not ir.units[i].tied and i not in on_device]
     size = max(HOST_GRAD_RING, ring)
-    out = [0] * n
+    out: list[int | None] = [None] * n
     for j, i in enumerate(turns):
         out[i] = j % size
     k = min(len(turns), size)
     for i in order_backward:
-        if i not in turns:
+        if i not in turns and i not in on_device:
             out[i] = k
             k += 1
     return tuple(out)
@@ -146,6 +175,10 @@ class Order:
     slot: tuple[int, ...]
     resident: frozenset[int]
     grad_slot: tuple[int, ...]
+    state: tuple[str, ...] = ()  # Decisions.state: where each unit's state lives (empty: all host)
+
+    def place_of(self, i: int) -> str:
+        return self.state[i] if self.state else "host"
 
     @property
     def reloads(self) -> tuple[int, ...]:
@@ -154,14 +187,36 @@ class Order:
 
 
 def make_order(n_units: int, n_micro: int, dec: Decisions) -> Order:
+    """Shared slots rotate among the streamed ("host") units only: the j-th in forward order uses slot j % S;
+    every other unit has a dedicated slot S, S+1, ... in forward order (docs/DESIGN.md 5, residency). Shared
+    gradient slots round-robin over the units without device state in backward order; a "device" unit has a
+    dedicated one, G, G+1, ... in backward order."""
     S, G = dec.n_slots, dec.n_grad_slots
     backward = tuple(range(n_units - 1, -1, -1))
+    state = tuple(dec.state)
+    if state and len(state) != n_units:
+        raise ValueError(f"Decisions.state names {len(state)} units, the model has {n_units}")
+    if not state or all(p == "host" for p in state):
+        grad = [0] * n_units
+        for j, i in enumerate(backward):
+            grad[i] = j % G
+        return Order(forward=tuple(range(n_units)), backward=backward, micro_batches=n_micro,
+                     slot=tuple(i % S for i in range(n_units)), resident=frozenset(resident_units(n_units, S)),
+                     grad_slot=tuple(grad))
+    host = [i for i in range(n_units) if state[i] == "host"]
+    slot = [0] * n_units
+    for j, i in enumerate(host):
+        slot[i] = j % S
+    for j, i in enumerate(i for i in range(n_units) if state[i] != "host"):
+        slot[i] = S + j
     grad = [0] * n_units
-    for j, i in enumerate(backward):
+    for j, i in enumerate(i for i in backward if state[i] != "device"):
         grad[i] = j % G
-    return Order(forward=tuple(range(n_units)), backward=backward, micro_batches=n_micro,
-                 slot=tuple(i % S for i in range(n_units)), resident=frozenset(resident_units(n_units, S)),
-                 grad_slot=tuple(grad))
+    for j, i in enumerate(i for i in backward if state[i] == "device"):
+        grad[i] = G + j
+    resident = set(host[max(0, len(host) - S):]) | {i for i in range(n_units) if state[i] != "host"}
+    return Order(forward=tuple(range(n_units)), backward=backward, micro_batches=n_micro, slot=tuple(slot),
+                 resident=frozenset(resident), grad_slot=tuple(grad), state=state)
 
 
 def check_model(ir: ModelIR) -> None:
@@ -175,11 +230,20 @@ def check_model(ir: ModelIR) -> None:
         raise ValueError("ModelIR units must be in depth order with index 0..N-1")
 
 
-def buffer_specs(ir: ModelIR, n_micro: int, dec: Decisions) -> list[tuple]:
-    """(name, kind, nbytes, static, unit, mb) for every device buffer the lowered program names."""
-    specs: list[tuple] = [(f"slot{k}", "param_slot", slot_bytes(ir), True, None, None)
+def buffer_specs(ir: ModelIR, n_micro: int, dec: Decisions, dstate_bytes: dict[str, int] | None = None) -> list[tuple]:
+    """(name, kind, nbytes, static, unit, mb) for every device buffer the lowered program names; with
+    `dstate_bytes` (unit -> bytes, residency.device_state_bytes) the device units' `dstate.{unit}`."""
+    state = tuple(dec.state)
+    specs: list[tuple] = [(f"slot{k}", "param_slot", slot_bytes(ir, state), True, None, None)
                           for k in range(dec.n_slots)]
-    specs += [(f"grad{k}", "grad_slot", grad_slot_bytes(ir), True, None, None) for k in range(dec.n_grad_slots)]
+    specs += [(f"slot{dec.n_slots + j}", "param_slot", u.slot_bytes(ir.dtype), True, u.name, None)
+              for j, u in enumerate(u for u in ir.units if dec.place_of(u.index) != "host")]
+    specs += [(f"grad{k}", "grad_slot", grad_slot_bytes(ir, state), True, None, None)
+              for k in range(dec.n_grad_slots)]
+    specs += [(f"grad{dec.n_grad_slots + j}", "grad_slot", unit_grad_bytes(u), True, u.name, None)
+              for j, u in enumerate(u for u in reversed(ir.units) if dec.place_of(u.index) == "device")]
+    specs += [(f"dstate.{u.name}", "device_state", (dstate_bytes or {}).get(u.name, 0), True, u.name, None)
+              for u in ir.units if dec.place_of(u.index) == "device"]
     specs += [("rope", "resident", ir.resident_bytes, True, None, None),
               ("batch", "batch", n_micro * ir.micro_batch * ir.seq_len * 8 * 2, True, None, None),
               ("loss", "loss", n_micro * max(4, ir.units[-1].carry_out_bytes), True, None, None)]
@@ -205,10 +269,16 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
     read of the slot it reuses, so it runs as early as the slot allows. Without clipping the first
     `optimizer_split` units of the backward are stepped as their gradients land, the rest after the
     backward in forward order (the next step's forward needs them in that order); with clipping every
-    unit is stepped after clip_grads, in forward order."""
+    unit is stepped after clip_grads, in forward order.
+
+    Per-unit state (order.state, docs/DESIGN.md 5): a "weights" unit is loaded once a step, one unit ahead
+    of its forward, and never reloaded; a "device" unit is never loaded nor stored: `store_norms` lands its
+    norms after its last backward and `device_step` steps it on the compute stream, right after that without
+    clipping, after clip_grads with it."""
     split = len(order.backward) if optimizer_split is None else optimizer_split
     units, place, slot = ir.units, placement, order.slot
-    hgrad = host_grad_assignment(ir, order.backward, clip, optimizer_split, host_grad_ring)
+    state_of = order.place_of
+    hgrad = host_grad_assignment(ir, order.backward, clip, optimizer_split, host_grad_ring, order.state)
     for i, where in enumerate(place):
         if where == "rebuild" and not can_rebuild(ir, i):
             raise ValueError(f"unit {units[i].name} cannot rebuild its carry-in (only DepthSSD blocks can, when "
@@ -225,7 +295,10 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
     ops: list[Op] = []
     fwd_queue: dict[int, list[int]] = {}
     for i in order.forward:
-        fwd_queue.setdefault(slot[i], []).append(i)
+        if state_of(i) == "host":
+            fwd_queue.setdefault(slot[i], []).append(i)
+    # a unit keeping its weights on the device loads once a step, before the forward of the unit ahead of it
+    ahead: dict[int, int] = {i - 1: i for i in order.forward if state_of(i) == "weights" and i >= 2}
     bwd_queue: dict[int, list[int]] = {}
     for i in order.reloads:
         bwd_queue.setdefault(slot[i], []).append(i)
@@ -240,6 +313,11 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
         k = slot[i]
         ops.append(Op("load_params", "h2d", unit=units[i].name, slot=k, writes=(f"slot{k}",)))
 
+    def device_step(i: int) -> Op:
+        u, g = units[i], order.grad_slot[i]
+        return Op("device_step", "compute", unit=u.name, slot=slot[i], grad_slot=g, reads=(f"grad{g}",),
+                  writes=(f"slot{slot[i]}", f"dstate.{u.name}"), workspace_bytes=device_step_workspace(u))
+
     def reads(i: int, mb: int, extra: tuple[str, ...] = ()) -> tuple[str, ...]:
         u = units[i]
         r = [f"slot{slot[i]}", carry(u.name, mb) if u.carry_in else "batch", *extra]
@@ -249,8 +327,8 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
             r.append("batch")
         return tuple(r)
 
-    for k in sorted(fwd_queue):
-        load(fwd_queue[k].pop(0))
+    for i in sorted([q.pop(0) for q in fwd_queue.values()] + [i for i in order.forward[:2] if state_of(i) == "weights"]):
+        load(i)
     # NOTE: an offloaded attention record is freed after the next forward, not right after its own: freeing
     # it waits for its copy, which leaves just after the forward that made it, and the compute stream would
     # idle through that wait (on the 2-core sim device, at each unit's last micro-batch, while the next unit's
@@ -260,6 +338,8 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
         u = units[i]
         keep, rebuild = place[i] == "keep", place[i] == "rebuild"
         nxt = order.forward[p + 1] if i != last else None
+        if i in ahead:
+            load(ahead[i])
         for mb in mbs:
             writes = ["loss" if nxt is None else carry(units[nxt].name, mb)]
             if keep:
@@ -286,7 +366,7 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
                     deferred.append(Op("free", "compute", buffer=buf))
             if u.carry_in and place[i] in ("host", "rebuild"):
                 ops.append(Op("free", "compute", buffer=carry(u.name, mb)))
-        if i not in order.resident and fwd_queue[slot[i]]:
+        if i not in order.resident and fwd_queue.get(slot[i]):
             load(fwd_queue[slot[i]].pop(0))
     ops += deferred
 
@@ -342,6 +422,12 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
                 ops.append(Op("free", "compute", buffer=saved(u.name, mb)))
             if rep[i]:
                 ops.append(Op("free", "compute", buffer=attn(u.name, mb)))
+        if state_of(i) == "device":
+            if not compute_only:
+                ops.append(Op("store_norms", "d2h", unit=u.name, grad_slot=g, reads=(f"grad{g}",)))
+            if not clip:
+                ops.append(device_step(i))
+            continue
         if compute_only:
             continue
         ops.append(Op("store_grads", "d2h", unit=u.name, grad_slot=g, host_grad=hgrad[i], reads=(f"grad{g}",)))
@@ -350,10 +436,11 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
         if bwd_queue.get(slot[i]):
             load(bwd_queue[slot[i]].pop(0))
     if compute_only:
-        return ops
+        return ops + ([device_step(i) for i in order.forward if state_of(i) == "device"] if clip else [])
     if clip:
         ops.append(Op("clip_grads", "host"))
-    stepped = set() if clip else set(bwd[:split])
+        ops += [device_step(i) for i in order.forward if state_of(i) == "device"]
+    stepped = (set() if clip else set(bwd[:split])) | {i for i in order.forward if state_of(i) == "device"}
     for i in order.forward:
         if i not in stepped:
             ops.append(Op("optimizer_step", "host", unit=units[i].name, host_grad=hgrad[i]))

@@ -33,15 +33,17 @@ from .timeline import program_timeline, walk
 from .tune import TuneResult
 
 LAYERS = {  # drawing order, bottom to top: label
-    "param_slot": "parameter slots", "grad_slot": "gradient slots", "static": "batch, RoPE, losses",
+    "param_slot": "parameter slots", "grad_slot": "gradient slots",
+    "device_state": "optimizer state on the device (issue 40)", "static": "batch, RoPE, losses",
     "checkpoint": "checkpoints on device", "grad_carry": "activation gradients",
     "workspace": "unit workspace", "loss_chunk": "loss chunk (head workspace)",
     "reserve": "reserve + allocator margin",
 }
 BUFFER_LAYER = {"param_slot": "param_slot", "grad_slot": "grad_slot", "resident": "static", "batch": "static",
                 "loss": "static", "carry": "checkpoint", "saved": "checkpoint", "grad_carry": "grad_carry",
-                "attention": "checkpoint", "cast_stage": "param_slot"}  # cast: the weights' own way in
-BUFFER_LAYERS = ("param_slot", "grad_slot", "static", "checkpoint", "grad_carry")
+                "attention": "checkpoint", "cast_stage": "param_slot",  # cast: the weights' own way in
+                "device_state": "device_state"}
+BUFFER_LAYERS = ("param_slot", "grad_slot", "device_state", "static", "checkpoint", "grad_carry")
 LANES = {"compute": "compute", "h2d": "h2d", "d2h": "d2h", "host": "host optimizer"}
 MAX_LABELS = 12  # more table groups than this: label the compute lane by unit kind instead
 
@@ -230,6 +232,8 @@ class TunePoint(IRModel):
     micro_batch: int
     depth_rank: int | None
     budget_bytes: int
+    grad_accum: int = 1
+    resident: str = "none"
     feasible: bool
     pareto: bool
     step_time_s: float | None = None
@@ -240,6 +244,7 @@ class TunePoint(IRModel):
 
 def tune_points(result: TuneResult) -> list[TunePoint]:
     return [TunePoint(micro_batch=r.micro_batch, depth_rank=r.depth_rank, budget_bytes=r.gpu_budget_bytes,
+                      grad_accum=r.grad_accum, resident=r.resident,
                       feasible=r.feasible, pareto=r.pareto, needed_bytes=r.needed_bytes,
                       step_time_s=r.plan.step_time_s if r.plan else None,
                       tokens_per_s=r.plan.tokens_per_s if r.plan else None,

@@ -63,3 +63,10 @@ class State:
     host_reserve: int = 0  # node host bytes of the "copy" place beyond the staging ring
     first_cast: CastChoice | None = None  # the cast pass's choice on the first search, when searched again
     first_searched: str | None = None  # the place the first search was priced with
+    # per-unit state placement (issue 40, residency.py): what plan(resident=...) asked for ("none", "auto" or a
+    # mapping unit -> place), and the places the residency pass settled on (Decisions.state; (): all host)
+    resident_request: object = "none"
+    state_place: tuple[str, ...] = ()
+    # the residency pass's own run of the schedule passes (checkpoints .. sync) on the places it chose, and their
+    # PassRecords: plan() goes on from there rather than running them again; None: run them
+    scheduled: tuple | None = None

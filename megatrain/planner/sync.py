@@ -20,11 +20,11 @@ from megatrain.ir.model_ir import ModelIR
 
 from .schedule import Op
 
-STREAMS = ("compute", "h2d", "d2h", "host", "comm")
+STREAMS = ("compute", "h2d", "d2h", "host", "comm", "disk")
 _TAGS = {"load_params": "load", "forward": "fwd", "backward": "bwd", "store_grads": "store",
          "optimizer_step": "opt", "offload_act": "offloaded", "load_act": "loaded", "alloc": "alloc",
          "free": "freed", "clip_grads": "clip", "all_gather": "gathered", "reduce_scatter": "reduced",
-         "all_reduce": "reduced"}
+         "all_reduce": "reduced", "device_step": "dstep", "store_norms": "norms"}
 
 
 def tied_owners(ir: ModelIR) -> dict[str, list[str]]:
@@ -37,10 +37,17 @@ def tied_owners(ir: ModelIR) -> dict[str, list[str]]:
 
 
 def accesses(op: Op, owners: dict[str, list[str]], users: dict[str, list[str]],
-             unit_names: list[str], hgrad: dict[str, str] | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+             unit_names: list[str], hgrad: dict[str, str] | None = None,
+             on_device: frozenset[str] = frozenset()) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(resources read, resources written) by one op, host-side resources included. `hgrad` maps a unit to
-    the host gradient buffer its gradients land in (`host_grad`); units that share one conflict on it."""
+    the host gradient buffer its gradients land in (`host_grad`); units that share one conflict on it.
+    `on_device`: the units stepped by device_step, whose norms reach the host through store_norms
+    (`host.norms:{unit}`) and whose step reads the clip factor."""
     name = op.op
+    if name == "device_step":
+        return op.reads + ("host.clip",), op.writes
+    if name == "store_norms":
+        return op.reads, (f"host.norms:{op.unit}",)
 
     def grads(u: str) -> str:
         return f"host.grads:{(hgrad or {}).get(u, u)}"
@@ -52,7 +59,10 @@ def accesses(op: Op, owners: dict[str, list[str]], users: dict[str, list[str]],
         reads = tuple(grads(u) for u in (op.unit, *users.get(op.unit, ()))) + ("host.clip",)
         return reads, (f"host.params:{op.unit}",)
     if name == "clip_grads":
-        return tuple(dict.fromkeys(grads(u) for u in unit_names)), ("host.clip",)
+        return tuple(dict.fromkeys(f"host.norms:{u}" if u in on_device else grads(u) for u in unit_names)), \
+            ("host.clip",)
+    if name == "save_state":  # a checkpoint write reads the unit's host state, which its optimizer_step writes
+        return (f"host.params:{op.unit}",), ()
     if name in ("alloc", "free"):
         return (), (op.buffer,)
     return op.reads, op.writes
@@ -115,7 +125,8 @@ def insert_sync(ops: list[Op], ir: ModelIR, repeats: bool = True) -> tuple[list[
             users.setdefault(o, []).append(u)
     names = [u.name for u in ir.units]
     hgrad = host_grad_names(ops)
-    acc = [accesses(op, owners, users, names, hgrad) for op in ops]
+    on_device = frozenset(op.unit for op in ops if op.op == "device_step")
+    acc = [accesses(op, owners, users, names, hgrad, on_device) for op in ops]
     deps = _dependencies(ops, acc)
     if not repeats:
         deps = [[d for d in ds if d[0] == 1] for ds in deps]

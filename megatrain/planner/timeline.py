@@ -71,7 +71,7 @@ def walk(instrs: Sequence, sizes: dict[str, int], static: Iterable[str]) -> Time
                     current += sizes[name]
         index.append(i)
         buffers.append(current)
-        workspace.append(ins.workspace_bytes if op in ("forward", "backward") else 0)
+        workspace.append(ins.workspace_bytes if op in ("forward", "backward", "device_step") else 0)
     return Timeline(tuple(index), tuple(buffers), tuple(workspace))
 
 

@@ -21,9 +21,15 @@ step boundary are checked too. What it checks:
   rebuild record, attention record) is written by the forward and read by the backward;
 - the compute-dtype cast (cast.py `check`): a place the compute dtype has, and the `cast` staging buffer
   exactly where the place is "gpu";
+- units whose state lives on the device (issue 40): one store_norms and one device_step read the unit's final
+  gradients (after its last backward, before the gradient slot's next writer), no load_params, store_grads or
+  optimizer_step of it, its device_step after clip_grads; a slot's writers are its loads and device steps;
 - a world program's collectives (collectives.py `check_collectives`): every read of a sharded unit's slot
-  after its all_gather, which follows the unit's shard load; one gradient collective per unit, after its last
-  backward and before its store, of the kind (reduce_scatter, all_reduce) its shard flags say.
+  after its all_gather, which follows the unit's shard load (or its device step); one gradient collective per
+  unit, after its last backward and before its store (a device unit's store_norms and device_step), of the
+  kind (reduce_scatter, all_reduce) its shard flags say;
+- a checkpointing step's writes (checkpoint_writes.py `check_writes`): one save_state per stepped unit, after
+  the previous step's optimizer_step of the unit and before this step's, and one seal_checkpoint after them.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import SOURCE_OF, Instr, Program
 
 from .cast import check as check_cast
+from .checkpoint_writes import check_writes
 from .collectives import check_collectives
 from .errors import ScheduleError
 from .hardware import Hardware
@@ -104,6 +111,7 @@ def check(program: Program, *, ir: ModelIR | None = None, budget_bytes: int | No
     problems += _check_host(instrs, hb, ir)
     problems += _check_host_grads(instrs, hb, ir, program.world_size)
     problems += check_collectives(program, hb, _at)
+    problems += check_writes(program, hb, _at)
     problems += _check_order(instrs, program.n_micro_batches, ir)
     problems += _check_modes(instrs)
     if ir is not None:
@@ -140,18 +148,18 @@ def _cyclic(positions: list[int], i: int) -> tuple[tuple[int, int] | None, tuple
 
 def _check_slots(instrs: tuple[Instr, ...], hb: HappensBefore, program: Program) -> list[str]:
     problems = []
-    loads: dict[int, list[int]] = defaultdict(list)
+    loads: dict[int, list[int]] = defaultdict(list)  # a slot's writers: loads, and a device unit's steps
     for i, ins in enumerate(instrs):
-        if ins.op == "load_params":
+        if ins.op in ("load_params", "device_step"):
             loads[ins.slot].append(i)
     n_slots = sum(1 for b in program.buffers if b.kind == "param_slot")
     for i, ins in enumerate(instrs):
-        if ins.op not in ("forward", "backward", "load_params"):
+        if ins.op not in ("forward", "backward", "load_params", "device_step"):
             continue
         if ins.slot is None or not 0 <= ins.slot < n_slots:
             problems.append(f"{_at(i, ins)} names slot {ins.slot}; the program has {n_slots} slots")
             continue
-        if ins.op == "load_params":
+        if ins.op in ("load_params", "device_step"):
             continue
         if f"slot{ins.slot}" not in ins.reads:
             problems.append(f"{_at(i, ins)} does not list slot{ins.slot} among its reads")
@@ -175,6 +183,7 @@ def _check_grads(instrs: tuple[Instr, ...], hb: HappensBefore) -> list[str]:
     problems = []
     bwd: dict[str, list[int]] = defaultdict(list)
     stores: dict[str, list[int]] = defaultdict(list)
+    device: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))  # a device unit's readers
     by_slot: dict[int, list[tuple[int, str]]] = defaultdict(list)
     for i, ins in enumerate(instrs):
         if ins.op == "backward":
@@ -182,6 +191,8 @@ def _check_grads(instrs: tuple[Instr, ...], hb: HappensBefore) -> list[str]:
             by_slot[ins.grad_slot].append((i, ins.unit))
         elif ins.op == "store_grads":
             stores[ins.unit].append(i)
+        elif ins.op in ("store_norms", "device_step"):
+            device[ins.unit][ins.op].append(i)
     for unit, idx in bwd.items():
         slots = {instrs[i].grad_slot for i in idx}
         if len(slots) != 1:
@@ -192,27 +203,44 @@ def _check_grads(instrs: tuple[Instr, ...], hb: HappensBefore) -> list[str]:
             if instrs[i].accumulate != (k > 0):
                 want = "accumulate=True" if k else "accumulate=False (it is the first micro-batch)"
                 problems.append(f"{_at(i, instrs[i])} should have {want}")
-        if len(stores[unit]) != 1:
+        if unit in device:  # its gradients are read by its store_norms and its device_step, never stored
+            ops = device[unit]
+            if stores[unit] or len(ops["store_norms"]) != 1 or len(ops["device_step"]) != 1:
+                problems.append(f"unit {unit} is stepped on the device: it needs exactly one store_norms and one "
+                                f"device_step per step and no store_grads")
+                continue
+            readers = [ops["store_norms"][0], ops["device_step"][0]]
+        elif len(stores[unit]) != 1:
             problems.append(f"unit {unit} has {len(stores[unit])} store_grads; it needs exactly one per step")
             continue
-        s = stores[unit][0]
-        if instrs[s].grad_slot != g:
-            problems.append(f"{_at(s, instrs[s])} stores grad{instrs[s].grad_slot}, but backward({unit}) wrote grad{g}")
-        for i in idx:
-            if not hb.before((1, i), (1, s)):
-                problems.append(f"{_at(s, instrs[s])} may run before {_at(i, instrs[i])} completes (missing wait)")
-        between = [i for i, u in by_slot[g] if u != unit and idx[0] < i < s]
-        if between:
-            problems.append(f"grad{g} is overwritten by {_at(between[0], instrs[between[0]])} before "
-                            f"store_grads({unit})")
-        after = [i for i, _ in by_slot[g] if i > s]
-        nxt = (1, after[0]) if after else (2, by_slot[g][0][0])
-        if not hb.before((1, s), nxt):
-            problems.append(f"grad{g} is overwritten by {_at(nxt[1], instrs[nxt[1]])} before {_at(s, instrs[s])} "
-                            "has read it (missing wait)")
-    for unit in stores:
+        else:
+            readers = stores[unit]
+        for s in readers:
+            problems += _grad_reader(instrs, hb, unit, g, idx, s, by_slot[g])
+    for unit in [*stores, *device]:
         if unit not in bwd:
-            problems.append(f"store_grads({unit}) without a backward of {unit}")
+            problems.append(f"gradients of {unit} are read without a backward of {unit}")
+    return problems
+
+
+def _grad_reader(instrs, hb: HappensBefore, unit: str, g: int, idx: list[int], s: int, writers) -> list[str]:
+    """Reader `s` of unit's final gradients in grad{g}: after every backward of the unit, before the slot's next
+    writer."""
+    problems = []
+    if instrs[s].grad_slot != g:
+        problems.append(f"{_at(s, instrs[s])} reads grad{instrs[s].grad_slot}, but backward({unit}) wrote grad{g}")
+    for i in idx:
+        if not hb.before((1, i), (1, s)):
+            problems.append(f"{_at(s, instrs[s])} may run before {_at(i, instrs[i])} completes (missing wait)")
+    between = [i for i, u in writers if u != unit and idx[0] < i < s]
+    if between:
+        problems.append(f"grad{g} is overwritten by {_at(between[0], instrs[between[0]])} before "
+                        f"{_at(s, instrs[s])}")
+    after = [i for i, _ in writers if i > s]
+    nxt = (1, after[0]) if after else (2, writers[0][0])
+    if not hb.before((1, s), nxt):
+        problems.append(f"grad{g} is overwritten by {_at(nxt[1], instrs[nxt[1]])} before {_at(s, instrs[s])} "
+                        "has read it (missing wait)")
     return problems
 
 
@@ -292,8 +320,20 @@ def _check_host(instrs: tuple[Instr, ...], hb: HappensBefore, ir: ModelIR | None
             problems.append(f"{_at(i, instrs[i])} may run before {_at(s, instrs[s])} completes (missing wait)")
     if len(clips) > 1:
         problems.append(f"{len(clips)} clip_grads; a step has at most one")
+    dsteps = {ins.unit: i for i, ins in enumerate(instrs) if ins.op == "device_step"}
+    norms = {ins.unit: i for i, ins in enumerate(instrs) if ins.op == "store_norms"}
+    for unit, i in dsteps.items():
+        if unit in opt:
+            problems.append(f"unit {unit} has both optimizer_step and device_step; it is stepped on one side")
+        loaded = [j for j, ins in enumerate(instrs) if ins.op == "load_params" and ins.unit == unit]
+        if loaded:
+            problems.append(f"{_at(loaded[0], instrs[loaded[0]])} loads {unit}, whose weights the device steps "
+                            "(the host master is only its mirror)")
+        for c in clips:
+            if not hb.before((1, c), (1, i)):
+                problems.append(f"{_at(i, instrs[i])} may run before clip_grads (missing wait)")
     for c in clips:
-        for s in store.values():
+        for s in (*store.values(), *norms.values()):
             if not hb.before((1, s), (1, c)):
                 problems.append(f"clip_grads may run before {_at(s, instrs[s])} completes (missing wait)")
         for i in opt.values():

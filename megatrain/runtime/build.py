@@ -206,7 +206,7 @@ def plan_of(cfg: RunConfig, config, device: Device, hardware: Hardware, host_pol
 
         world = World(nproc=comm.size, nnodes=comm.nnodes)
     the_plan = plan(ir, hardware, t, cfg.gpu_mem, host_policy=host_policy, world=world,
-                    barrier=cfg.on_nan == "skip")
+                    barrier=cfg.on_nan == "skip", resident=cfg.resident)
     return the_plan, hardware, note
 
 

@@ -114,17 +114,8 @@ class Checkpointer:
         """Write checkpoint `step` of `store` (the device drained and the state checked by the caller)."""
         if self.folder is None:
             raise ValueError("no checkpoint_dir: pass checkpoint_dir=DIR (--checkpoint-dir)")
-        if self.lock is None and self.rank == 0:  # a run saving by hand (checkpoint_every 0) takes the folder now
-            lock = checkpoint.FolderLock(self.folder).acquire()
-            try:  # and another run may have written there since this one started
-                checkpoint.check_fresh_folder(self.folder, self.resumed_from)
-            except BaseException:
-                lock.release()
-                raise
-            self.lock = lock
-        rng = {"rng/torch_cpu": torch.get_rng_state()}
-        if device.kind == "cuda":
-            rng["rng/cuda"] = torch.cuda.get_rng_state(device.torch_device)
+        self.take_folder()
+        rng = self._rng(device)
         extra = source_files(model_dir)
         try:
             if self.comm is not None:
@@ -134,21 +125,92 @@ class Checkpointer:
                 self.last = checkpoint.save_checkpoint(self.folder, step, store, meta, rng, keep=self.keep,
                                                        extra=extra)
         except OSError as e:  # a full disk, a lost mount: what the folder still holds is whole
-            kept = checkpoint.step_dirs(self.folder)
-            held = (f"the last checkpoint, {kept[-1][1]}, is intact (--resume {self.folder} continues from it)"
-                    if kept else "no earlier checkpoint is there")
-            raise checkpoint.CheckpointError(
-                f"cannot write checkpoint {self.folder / f'step-{step:08d}'}: {e.strerror or e}; {held}; free space "
-                f"there (one checkpoint is {format_bytes(self.checkpoint_bytes(store))}) or pass another "
-                "--checkpoint-dir") from None
+            raise self._failed(step, e, store) from None
         return self.last
+
+    # -- checkpoints written while training goes on (checkpoint_stream.py) ------------------------------------
+    def streamed(self, plan, ir) -> tuple[object | None, str]:
+        """(the compiled checkpointing step beside `plan`'s step program, or None, and a note): None without
+        periodic checkpoints, and where the planner refuses one, the note saying why; else the note is the plan's warning when a checkpoint's writes
+        outlast `every` steps (checkpoint_writes.py `CheckpointCost.check`), or empty."""
+        if not self.every or self.folder is None:
+            return None, ""
+        from megatrain.codegen import emit, load
+        from megatrain.planner.checkpoint_writes import (
+            CheckpointPlanError,
+            check_pair,
+            checkpoint_cost,
+            checkpoint_program,
+        )
+        from megatrain.planner.errors import ScheduleError
+        from megatrain.planner.verify import verify
+
+        try:
+            program = checkpoint_program(plan.program)
+        except CheckpointPlanError as e:
+            return None, f"checkpoints are written between steps: {e}"
+        problems = check_pair(plan.program, program)
+        if problems:
+            raise ScheduleError(problems)
+        verify(program, ir=ir)
+        warning = checkpoint_cost(plan).check(self.every) if self.rank == 0 else None
+        return load(emit(program, title="checkpointing step", summary=[], passes=[])), warning or ""
+
+    def job(self, step: int, index: int, store, device, meta: dict, model_dir: Path | None, abort: bool,
+            after_file=None):
+        """The checkpoint `step` (the state after engine step `index`) a checkpointing step is to write."""
+        from .checkpoint_stream import Written
+
+        self.take_folder()
+        return Written(root=self.folder, step=step, index=index, meta=meta, rng=self._rng(device),
+                       extra=source_files(model_dir), keep=self.keep, abort_on_fault=abort, after_file=after_file)
+
+    def collect(self, jobs: list, store) -> list:
+        """The jobs not yet done; a sealed one becomes `last`, a failed one raises (one line, as a save's)."""
+        for job in [j for j in jobs if j.done.is_set()]:
+            jobs.remove(job)
+            if job.sealed is not None:
+                self.last = job.sealed
+            elif job.error is not None:
+                if isinstance(job.error, OSError):
+                    raise self._failed(job.step, job.error, store) from None
+                raise job.error
+        return jobs
+
+    def _rng(self, device) -> dict:
+        rng = {"rng/torch_cpu": torch.get_rng_state()}
+        if device.kind == "cuda":
+            rng["rng/cuda"] = torch.cuda.get_rng_state(device.torch_device)
+        return rng
+
+    def take_folder(self) -> None:
+        """A run saving by hand (checkpoint_every 0) takes the folder's lock at its first save."""
+        if self.lock is None and self.rank == 0:
+            lock = checkpoint.FolderLock(self.folder).acquire()
+            try:  # and another run may have written there since this one started
+                checkpoint.check_fresh_folder(self.folder, self.resumed_from)
+            except BaseException:
+                lock.release()
+                raise
+            self.lock = lock
+
+    def _failed(self, step: int, e: OSError, store) -> checkpoint.CheckpointError:
+        """A save that failed (a full disk, a lost mount): what the folder still holds is whole."""
+        kept = checkpoint.step_dirs(self.folder)
+        held = (f"the last checkpoint, {kept[-1][1]}, is intact (--resume {self.folder} continues from it)"
+                if kept else "no earlier checkpoint is there")
+        return checkpoint.CheckpointError(
+            f"cannot write checkpoint {self.folder / f'step-{step:08d}'}: {e.strerror or e}; {held}; free space "
+            f"there (one checkpoint is {format_bytes(self.checkpoint_bytes(store))}) or pass another "
+            "--checkpoint-dir")
 
     def checkpoint_bytes(self, store) -> int:
         """The bytes of the unit files of one checkpoint (masters, moments and their scales, buffers), every
         rank's shards counted: a sharded unit's part here times the ranks."""
-        sharded = getattr(store, "sharded", ())
-        return sum(sum(t.nbytes for t in store.shard_state(unit).values()) * self.comm.size if unit in sharded
-                   else sum(t.nbytes for t in store.state_tensors(unit).values()) for unit in store.units)
+        sharded = getattr(store, "sharded", ())  # sizes only: no mirror of a device unit is touched (resident.py)
+        return sum(sum(t.nbytes for t in store.shard_state(unit, mirror=False).values()) * self.comm.size
+                   if unit in sharded else sum(t.nbytes for t in store.state_tensors(unit, mirror=False).values())
+                   for unit in store.units)
 
     def check_space(self, store) -> None:
         """A save writes a whole new checkpoint before it prunes an old one: the folder's filesystem must have

@@ -53,6 +53,10 @@ class RunConfig(BaseModel):
                                                    "the real one; auto: cuda if present")
     host_policy: str = Field("auto", description="how the host holds AdamW state: exact, bf16-moments, bf16, "
                              "fp8, or auto: the most exact that fits host memory")
+    resident: str | dict[str, str] = Field(
+        "auto", description="where each unit's weights, gradients and AdamW state live: auto lets the planner keep "
+        "units on the device where the budget has room and that shortens the step (their optimizer step runs "
+        "there); none streams every unit from the host; a table {unit = place} forces the named units' places")
     profile: Literal["auto", "off"] = Field("auto", description="auto: plan with this machine's cached probe of "
                                             "the model's units when one exists, the sizes those of the hardware "
                                             "given; off: the hardware profile as given. Default: auto with "
@@ -138,6 +142,17 @@ class RunConfig(BaseModel):
         if not isinstance(v, str):
             raise ValueError(f"host_policy must be 'auto' or a policy's name, got {type(v).__name__}")
         return read_request(v)
+
+    @field_validator("resident", mode="before")
+    @classmethod
+    def _resident(cls, v):
+        places = ("host", "weights", "device")
+        if isinstance(v, str) and v in ("auto", "none"):
+            return v
+        if isinstance(v, dict) and all(isinstance(k, str) and p in places for k, p in v.items()):
+            return v
+        raise ValueError(f"resident must be auto, none or a table of unit names to {', '.join(places)}, e.g. "
+                         f"{{embed = \"device\"}}; got {v!r:.60}")
 
     def replace(self, **changes) -> RunConfig:
         """A copy with `changes`, validated."""

@@ -20,6 +20,7 @@ from .cpus import resolve as resolve_cpus
 from .stream_device import Device, SimDevice
 
 GPU_STREAMS = ("compute", "h2d", "d2h", "comm")  # comm: a world program's collectives (runtime/distributed.py)
+HOST_STREAMS = ("host", "disk")  # Python on a thread of their own, no CUDA stream (disk: checkpoint writes)
 CONVERT_CHUNK = 1 << 24  # elements per converting device-to-host copy on cuda (64 MiB fp32 temporary at most)
 
 
@@ -74,14 +75,14 @@ class CudaDevice(Device):
                 torch.cuda._sleep(self._rngs[stream].randint(*self._gpu_delays))
 
     def _run_op(self, stream: str, fn: Callable[[], None]) -> None:
-        if stream == "host":
+        if stream in HOST_STREAMS:
             fn()
             return
         with torch.cuda.stream(self._streams[stream]):
             fn()
 
     def _run_record(self, stream: str, event: str, step: int) -> None:
-        if stream != "host":
+        if stream not in HOST_STREAMS:
             cuda_event = torch.cuda.Event(blocking=True)  # blocking: a host synchronize() sleeps, not spins
             cuda_event.record(self._streams[stream])
             with self._cuda_lock:
@@ -97,7 +98,7 @@ class CudaDevice(Device):
             cuda_event = self._cuda_events.get(event, {}).get(step)
         if cuda_event is None:
             return  # a host record (done when issued) or a GPU record already complete
-        if stream == "host":
+        if stream in HOST_STREAMS:
             cuda_event.synchronize()
         else:
             self._streams[stream].wait_event(cuda_event)
@@ -105,8 +106,12 @@ class CudaDevice(Device):
     def _device_synchronize(self, stream: str | None) -> None:
         if stream is None:
             torch.cuda.synchronize(self.torch_device)
-        elif stream != "host":
+        elif stream not in HOST_STREAMS:
             self._streams[stream].synchronize()
+
+    def cuda_stream(self, name: str) -> torch.cuda.Stream:
+        """The CUDA stream a GPU stream's worker issues on (a host thread orders its own copies after it)."""
+        return self._streams[name]
 
     def host_empty(self, shape, dtype) -> torch.Tensor:
         """A page-locked host tensor at its exact size (host_memory.py), not torch's power-of-two pinned pool."""

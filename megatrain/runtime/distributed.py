@@ -56,7 +56,7 @@ UNVERIFIED_NCCL = ("data parallelism over NCCL on CUDA has not been run on GPUs 
                    "few steps against one GPU before relying on it")
 EXIT_CODE = 2
 DESTROY_S = 5.0  # the longest a rank waits for its process groups to be destroyed before it goes on
-GROUPS = ("comm", "host", "main")
+GROUPS = ("comm", "host", "main", "disk")  # disk: a checkpointing step's gathers, from its disk stream
 
 
 class PeerFailure(RuntimeError):
@@ -116,14 +116,15 @@ class Communicator:
             torch.cuda.set_device(self.local_rank)
         base = dist.TCPStore(addr, port, size, rank == 0 and not agent_store, timeout=timeout)
         self.store = dist.PrefixStore(self.prefix, base)
-        self.store.set(f"hb/{rank}", "0 0 0 0")
+        self.store.set(f"hb/{rank}", " ".join("0" * (1 + len(GROUPS))))
         self.store.set(f"pid/{rank}", f"{socket.gethostname()} {os.getpid()}")  # a peer here can see it die
         kw = {"device_id": torch.device("cuda", self.local_rank)} if device == "cuda" else {}
         dist.init_process_group(self.backend, store=dist.PrefixStore("pg/", self.store), rank=rank,
                                 world_size=size, timeout=timeout, **kw)
         self.groups = {"comm": dist.new_group(backend=self.backend, timeout=timeout),
                        "host": dist.new_group(backend="gloo", timeout=timeout),
-                       "main": dist.new_group(backend="gloo", timeout=timeout)}
+                       "main": dist.new_group(backend="gloo", timeout=timeout),
+                       "disk": dist.new_group(backend="gloo", timeout=timeout)}
         self._stop = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name=f"megatrain-watchdog-{rank}", daemon=True)
         self.barrier()  # every rank is up (and has beaten once) before anyone watches

@@ -20,7 +20,8 @@ Mixed in from modules of their own: running a unit (unit_runner.py), span tracin
 unit's buffers into the slot after the weights, its step's forwards log their routing, store_grads hands the
 logs to the store), a world program's collectives (world_ops.py: `begin` keeps this rank's group of the global
 step's micro-batches, `end` sums the loss across ranks, `shard` moves this rank's shard of a unit) and the
-evaluation program's entry and exit (evaluation.py).
+evaluation program's entry and exit (evaluation.py) and a checkpointing step's writes on the disk stream
+(checkpoint_stream.py: save_state, seal_checkpoint).
 """
 
 from __future__ import annotations
@@ -44,10 +45,12 @@ from megatrain.models import (
 from megatrain.models.loss import IGNORE_INDEX
 from megatrain.models.replay import Record, record_attention
 
+from .checkpoint_stream import CheckpointStream
 from .compiled import runners
 from .distributed import local_batch
 from .evaluation import Evaluation
 from .moe_logs import RoutingLogs
+from .resident import Resident
 from .spans import Spans
 from .staging import Staging
 from .store import HostStore
@@ -58,7 +61,7 @@ from .world_ops import WorldOps
 __all__ = ["Engine"]
 
 
-class Engine(UnitRunner, Spans, RoutingLogs, WorldOps, Evaluation):
+class Engine(UnitRunner, Spans, RoutingLogs, WorldOps, Evaluation, CheckpointStream, Resident):
     """The `rt` of a generated step program (and of an evaluation program)."""
 
     def __init__(self, ir: ModelIR, program: Program, device: Device, store: HostStore, loss_chunk: int = 1024,
@@ -94,6 +97,7 @@ class Engine(UnitRunner, Spans, RoutingLogs, WorldOps, Evaluation):
         self.staging = Staging(device, STAGING_BYTES, store.checkpoint_staging)  # long checkpoints' copies
         self._clips = any(i.op == "clip_grads" for i in program.instrs)
         self._allocate_static()
+        self._init_resident()  # units whose state lives on the device: uploaded from the store (resident.py)
 
     # -- static buffers -----------------------------------------------------------------------------------
     def _allocate_static(self) -> None:
@@ -132,6 +136,7 @@ class Engine(UnitRunner, Spans, RoutingLogs, WorldOps, Evaluation):
             raise ValueError("every target of this step is ignored (-100): nothing to train on")
         self.losses = [torch.zeros((), dtype=torch.float32)] * len(batch)
         self.routing_logs, self.gathered_routing = {}, {}
+        self._begin_resident()
         self._place(batch)
 
     def _place(self, batch: list[tuple[torch.Tensor, ...]]) -> None:
@@ -159,6 +164,7 @@ class Engine(UnitRunner, Spans, RoutingLogs, WorldOps, Evaluation):
 
         self.device.submit("host", mark, f"end of step {step}")
         self.device.synchronize("compute")
+        self._end_resident(step)
         self.step_index += 1
         total = float(sum(float(x) for x in self.losses))
         if self.comm is not None:
@@ -332,6 +338,16 @@ class Engine(UnitRunner, Spans, RoutingLogs, WorldOps, Evaluation):
         lr, step = self.lr, self.step_index
         self._submit("host", i, f"optimizer_step({unit}, host_grad={host_grad})",
                      lambda: self.store.step_unit(unit, lr, step, host_grad))
+
+    def device_step(self, i: int, unit: str, slot: int, grad_slot: int) -> None:
+        """AdamW on a device-resident unit's state, on the device (resident.py)."""
+        lr, step = self.lr, self.step_index
+        self._submit("compute", i, f"device_step({unit}, slot={slot}, grad_slot={grad_slot})",
+                     lambda: self._step_resident(unit, grad_slot, lr, step))
+
+    def store_norms(self, i: int, unit: str, grad_slot: int) -> None:
+        """A device-resident unit's per-parameter gradient norms to the host store (clip_grads, the verdict)."""
+        self._submit("d2h", i, f"store_norms({unit}, grad_slot={grad_slot})", lambda: self._land_norms(unit, grad_slot))
 
     def record(self, i: int, stream: str, event: str) -> None:
         self.device.record(stream, event, self._event_index())

@@ -12,16 +12,20 @@ neither kernel, so the two can compare against it. Per policy:
 - compressed policies: per parameter, in STEP_CHUNK-element chunks that stay in cache: the chunk's gradient
   (upcast from bf16 if held so; times c, as exact multiplies, when clipped) and moments are expanded to fp32
   scratch, the fused kernel updates master and scratch, and the moments are rounded back: bf16 by
-  round-to-nearest-even; fp8 as float8_e4m3fn per FP8_BLOCK-element block (blocks start at each parameter's
-  first element) with an fp32 scale = block amax / 448, rounded as x times 448 / amax (`_quantiser`: a
-  multiply, not a division per element), to fp16 at a scale of 1 / 256 first, then to e4m3 (host_kernel.c
-  FP8_CODES: two roundings, so that the vector loop converts with vcvtps2ph). A dequantised second moment is
+  stochastic rounding (stochastic_round.py: unbiased, so that v's small steps at beta2 near 1 add up; the
+  bits a function of the parameter's key, the step and the element's index in its parameter); fp8 as
+  float8_e4m3fn per FP8_BLOCK-element block (blocks start at each parameter's first element) with an fp32
+  scale = block amax / 448, rounded as x times 448 / amax (`_quantiser`: a multiply, not a division per
+  element), to fp16 at a scale of 1 / 256 first, then to e4m3 (host_kernel.c FP8_CODES: two roundings, so
+  that the vector loop converts with vcvtps2ph). A dequantised second moment is
   floored at its block's least positive step (scale x 2^-9), so a value that underflowed to 0 never divides a
   non-zero first moment by eps alone; an all-zero block keeps scale 0. Under fp8 the fused kernel updates
   only the moments; the weights take `_fp8_update`, whose denominator multiplies by 1 / sqrt(bc2) where
   torch's divides by sqrt(bc2) and whose denominator and weight are fused multiply-adds: one division per
   element instead of two and two operations fewer, for the one-pass loop's speed (host_kernel.c FP8_UPDATE).
   Results do not depend on the chunk size (elementwise math, blocks inside chunks), only on the values.
+`device_adamw` runs the exact policy's step on a device-resident unit's tensors (runtime/resident.py): the scratch
+on their device, and a device-side `found_inf` flag that skips the update (step counts included) unread.
 """
 
 from __future__ import annotations
@@ -34,15 +38,16 @@ import torch
 from torch.optim.adamw import adamw as functional_adamw
 
 from megatrain.planner.host_policy import FP8_BLOCK, HostPolicy, resolve
+from megatrain.planner.residency import STEP_CHUNK as RESIDENT_STEP_CHUNK
 from megatrain.planner.train import TrainSpec
 
-from . import host_memory
+from . import host_memory, stochastic_round
 
 # NOTE: with several threads a torch op's OpenMP team spins on its cores for a while after it (libgomp's wait
 # policy) and takes them from a host step or cast timed right after. Timed steps and casts wait this long first.
 OMP_SETTLE_S = 0.01
 FMA_SLICE = 1 << 15  # elements per slice of _fma32
-STEP_CHUNK = 1 << 20  # elements per in-cache pass (4 MiB of fp32 per scratch), a multiple of FP8_BLOCK
+STEP_CHUNK = RESIDENT_STEP_CHUNK  # elements per in-cache pass (4 MiB of fp32 per scratch), a multiple of FP8_BLOCK
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_TINY = 2.0**-9  # the least positive float8_e4m3fn (a subnormal)
@@ -57,6 +62,10 @@ class Moments:
     exp_avg_sq: torch.Tensor
     avg_scale: torch.Tensor | None = None
     sq_scale: torch.Tensor | None = None
+    # bf16 moments' stochastic rounding (stochastic_round.py): the parameter's key, and where these tensors start
+    # in it (a data-parallel shard's slice), so that every holder of an element draws the same bits for it
+    key: int = 0
+    origin: int = 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """By checkpoint kind: exp_avg, exp_avg_sq in their stored dtype, then the fp8 scales."""
@@ -78,29 +87,31 @@ def n_blocks(numel: int) -> int:
     return math.ceil(numel / FP8_BLOCK)
 
 
-def new_moments(policy: HostPolicy | str, shape: tuple[int, ...]) -> Moments:
+def new_moments(policy: HostPolicy | str, shape: tuple[int, ...], name: str = "") -> Moments:
     """Zero moments for one parameter of `shape` (the eager reference's state), on huge pages where Linux
-    gives them (host_memory.advise_huge_pages), as the host store's are."""
+    gives them (host_memory.advise_huge_pages), as the host store's are; `name`: its eager name, which keys
+    its stochastic rounding (stochastic_round.param_key)."""
     policy, numel = resolve(policy), math.prod(shape)
     dtype = moment_dtype(policy)
-    m = Moments(host_memory.empty(shape, dtype).zero_(), host_memory.empty(shape, dtype).zero_())
+    m = Moments(host_memory.empty(shape, dtype).zero_(), host_memory.empty(shape, dtype).zero_(),
+                key=stochastic_round.param_key(name))
     if policy.moments == "fp8":
         m.avg_scale, m.sq_scale = torch.zeros(n_blocks(numel)), torch.zeros(n_blocks(numel))
     return m
 
 
-def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, cfg: TrainSpec, lr: float, wd: float):
+def _fused(params, grads, exp_avgs, exp_avg_sqs, steps, cfg: TrainSpec, lr: float, wd: float, found_inf=None):
     functional_adamw(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True, amsgrad=False,
                      beta1=cfg.betas[0], beta2=cfg.betas[1], lr=lr, weight_decay=wd, eps=cfg.eps,
-                     maximize=False)
+                     maximize=False, found_inf=found_inf)
 
 
 class _Scratch:
     """fp32 chunk buffers for one step call, sized to its largest chunk (fp8: and an index buffer)."""
 
-    def __init__(self, numel: int, fp8: bool = False):
-        n = min(STEP_CHUNK, numel)
-        self.g, self.m, self.v = torch.empty(n), torch.empty(n), torch.empty(n)
+    def __init__(self, numel: int, fp8: bool = False, device=None):
+        n = min(STEP_CHUNK, numel)  # on `device`: a device-resident unit's step (runtime/resident.py)
+        self.g, self.m, self.v = (torch.empty(n, device=device) for _ in range(3))
         self.index = torch.empty(n, dtype=torch.int32) if fp8 else None
         self.work = torch.empty(n) if fp8 else None
         self.p, self.den = (torch.zeros(n), torch.empty(n)) if fp8 else (None, None)
@@ -149,23 +160,41 @@ def adamw(policy: HostPolicy | str, params: list[torch.Tensor], grads: list[torc
             _compressed(policy, *group, cfg, lr, wd, clip)
 
 
-def _exact(params, grads, moments, steps, cfg, lr, wd, clip) -> None:
+def _exact(params, grads, moments, steps, cfg, lr, wd, clip, found_inf=None) -> None:
     avgs, sqs = [m.exp_avg for m in moments], [m.exp_avg_sq for m in moments]
     if clip is None:
-        _fused(params, grads, avgs, sqs, steps, cfg, lr, wd)
+        _fused(params, grads, avgs, sqs, steps, cfg, lr, wd, found_inf)
         return
-    scratch = _Scratch(max(p.numel() for p in params))
+    scratch = _Scratch(max(p.numel() for p in params), device=params[0].device)
     for p, g, m, v, step in zip(params, grads, avgs, sqs, steps):
         p, g, m, v = p.view(-1), g.view(-1), m.view(-1), v.view(-1)
         for a, b in _chunks(p.numel()):
             scaled = torch.mul(g[a:b], clip, out=scratch.g[: b - a])
-            _fused([p[a:b]], [scaled], [m[a:b]], [v[a:b]], [step.clone()], cfg, lr, wd)
+            _fused([p[a:b]], [scaled], [m[a:b]], [v[a:b]], [step.clone()], cfg, lr, wd, found_inf)
         step.add_(1)
+        if found_inf is not None:  # a skipped step: the count stays (the fused kernel undid its clones')
+            step.sub_(found_inf)
+
+
+def device_adamw(policy: HostPolicy | str, params: list[torch.Tensor], grads: list[torch.Tensor],
+                 moments: list[Moments], steps: list[torch.Tensor], cfg: TrainSpec, lr: float,
+                 decay: list[bool] | None, clip: torch.Tensor | None, found_inf: torch.Tensor | None) -> None:
+    """`adamw` on a device-resident unit's tensors (runtime/resident.py), under the exact policy (the
+    compressed ones read their step count on the host, a device sync): the same torch ops, so the same bits as
+    the host's step; `found_inf` (an fp32 flag on the device, or None) skips the whole update, step counts
+    included, with no host read of it."""
+    policy, clip = resolve(policy), unclipped(clip)
+    if policy.name != "exact":
+        raise ValueError(f"a device-resident unit steps under the exact host policy only, not {policy.name}; "
+                         "plan with host_policy exact or resident='none'")
+    for wd, group, _ in groups(params, grads, moments, steps, cfg, decay):
+        _exact(*group, cfg, lr, wd, clip, found_inf)
 
 
 def _compressed(policy: HostPolicy, params, grads, moments, steps, cfg, lr, wd, clip) -> None:
     fp8 = policy.moments == "fp8"
     scratch = _Scratch(max(p.numel() for p in params), fp8)
+    sr_work = None if fp8 else stochastic_round.workspace(scratch.m.numel(), params[0].device)
     for p, g, mom, step in zip(params, grads, moments, steps):
         p, g = p.view(-1), g.view(-1)
         m, v = mom.exp_avg.view(-1), mom.exp_avg_sq.view(-1)
@@ -193,8 +222,8 @@ def _compressed(policy: HostPolicy, params, grads, moments, steps, cfg, lr, wd, 
                 _quant(vc, v[a:b], mom.sq_scale[blocks], scratch.work)
             else:
                 _fused([p[a:b]], [gc], [mc], [vc], [step.clone()], cfg, lr, wd)
-                m[a:b].copy_(mc)
-                v[a:b].copy_(vc)
+                seed = stochastic_round.step_seed(mom.key, int(step) + 1)
+                stochastic_round.round_moments(mc, vc, m[a:b], v[a:b], seed, mom.origin + a, sr_work)
         step.add_(1)
 
 

@@ -7,9 +7,19 @@
  * fused multiply-adds out as fmaf, as measured against torch 2.13 (x86-64, AVX-512): in the vector body the
  * first moment's lerp fma(w, g - m, m) (torch's explicit fmadd) and the second moment fma(c2 g, g, v b2); in
  * the scalar tail, the last (numel mod 8) elements of a tensor (`nvec` says where it starts; host_kernel.py
- * LANES), the same lerp and fma(v, b2, (c2 g) g). The storage conversions are c10's: bf16 by round-to-nearest-
- * even, float8_e4m3fn by fp8e4m3fn_from_fp32_value after a first rounding to fp16 (FP8_CODES), fp8 blocks scaled
- * as host_state.py's torch path does.
+ * LANES), the same lerp and fma(v, b2, (c2 g) g). The storage conversions: bf16 moments by stochastic rounding
+ * (SR below), float8_e4m3fn by c10's fp8e4m3fn_from_fp32_value after a first rounding to fp16 (FP8_CODES), fp8
+ * blocks scaled as host_state.py's torch path does.
+ *
+ * SR: bf16 moments are rounded stochastically, as runtime/stochastic_round.py does: the fp32 bits plus 16 random
+ * bits, truncated (a NaN written as c10's 0x7FC0). Round-to-nearest could not take the second moment's steps at
+ * beta2 near 1 (smaller than half of bf16's spacing: v stayed where it was); rounding up with the probability of
+ * the distance is unbiased, so the steps add up. The bits are sr_bits(seed, index), index the element's place
+ * in its whole parameter (Hyper.origin: where this tensor starts in it) and seed the parameter's and step's
+ * (computed by stochastic_round.step_seed), so any slicing of the parameter into chunks, threads or data-parallel
+ * shards draws the same bits for an element; one draw per element rounds both moments (m by its high half, v by
+ * its low half). One multiply per element: a two-multiply hash (lowbias32) per element slowed the loop in cache
+ * where this one costs little (docs/log/2026-12-06-stochastic-rounding.md).
  * host_kernel.py checks the result against that path bit for bit before a machine uses this code, so a torch
  * built with other contractions runs the torch path instead.
  *
@@ -37,9 +47,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define FP8_AVX512 1 /* the fp8 loop's vector code (below) */
-#ifdef __AVX512BF16__
 #define BF16_AVX512 1 /* the bf16 moments' vector loop (BF16_VECTOR) */
-#endif
 #endif
 
 #define BLOCK 256 /* elements per pass through the locals (= planner/host_policy.py FP8_BLOCK) */
@@ -49,16 +57,29 @@ typedef struct {
     float factor;                                      /* the gradient times it (1: as stored; g * 1.0f is g) */
     int32_t grad_bf16;   /* gradients stored as bf16 (else fp32) */
     int32_t moments;     /* 0: fp32, 1: bf16, 2: fp8 e4m3fn with per-BLOCK fp32 scales */
+    uint32_t sr_seed;    /* bf16 moments: the parameter's and step's seed of the stochastic rounding (SR) */
+    int64_t origin;      /* bf16 moments: the index in its parameter of the tensor's first element (SR) */
 } Hyper;
 
 static inline uint32_t bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float from_bits(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 static inline float bf16_to_f32(uint16_t h) { return from_bits((uint32_t)h << 16); }
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u = bits(f);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((u + (((u >> 16) & 1) + 0x7FFFu)) >> 16);
+/* SR's 32 random bits of a parameter's element `index` (stochastic_round.element_bits): the index's Weyl product
+ * (neighbours spread over the word; in a loop, one add per vector) with the seed mixed in, one multiply and a
+ * shift to carry the high bits into the low half */
+#define SR_WEYL 0x9E3779B9u
+#define SR_MUL 0x7FEB352Du
+static inline uint32_t sr_bits(uint32_t seed, uint32_t index) {
+    const uint32_t x = ((index * SR_WEYL) ^ seed) * SR_MUL;
+    return x ^ (x >> 16);
+}
+
+/* SR of f with the 16 random bits r: branch-free, so that loops over it vectorise without AVX-512. Below a NaN
+ * the sum cannot wrap or reach the sign bit (a finite value's carry ends at an infinity's pattern). */
+static inline uint16_t f32_to_bf16_sr(float f, uint32_t r) {
+    const uint32_t nan = -(uint32_t)(f != f);
+    return (uint16_t)((0x7FC0u & nan) | (((bits(f) + r) >> 16) & ~nan));
 }
 
 /* Branch-free selects for the element functions below: (a & mask) | (b & ~mask), mask all ones where `cond`.
@@ -103,6 +124,8 @@ static inline uint8_t f32_to_fp8(float f) {
 typedef struct {
     float decay, w, lerp_coeff, beta2, c2, bc2_sqrt, inv_bc2_sqrt, eps, step_size, neg_step_size;
     int lerp_small;
+    uint32_t seed;  /* SR: Hyper's sr_seed and origin */
+    int64_t origin;
 } Coef;
 
 static Coef coefficients(const Hyper *h) {
@@ -120,6 +143,8 @@ static Coef coefficients(const Hyper *h) {
     c.eps = (float)h->eps;
     c.step_size = (float)step_size;
     c.neg_step_size = (float)(-step_size);
+    c.seed = h->sr_seed;
+    c.origin = h->origin;
     return c;
 }
 
@@ -182,8 +207,8 @@ static inline void adam_tail1(float *p, float g, float *m, float *v, const Coef 
         for (int64_t i = i0; i < i1; i++) {                                                                 \
             float mi = LOADM(m[i]), vi = LOADM(v[i]);                                                       \
             FN(p + i, LOADG(g[i]) * factor, &mi, &vi, c, 0);                                                \
-            m[i] = STOREM(mi);                                                                              \
-            v[i] = STOREM(vi);                                                                              \
+            m[i] = STOREM(mi, i, 16);                                                                       \
+            v[i] = STOREM(vi, i, 0);                                                                        \
         }                                                                                                   \
     }
 
@@ -194,21 +219,27 @@ static inline __m512 bf16x16_to_f32(const uint16_t *q) { /* exactly: a bf16 is a
 #endif
 
 #ifdef BF16_AVX512
-/* BF16_VECTOR: bf16 moments 16 at a time, written out with AVX512_BF16's vcvtneps2bf16 where the compiler's
- * vectorisation of the element loop rounded each moment with seven integer operations and a NaN select:
- * 2-vCPU EPYC (Zen 4) VM, benchmarks/host_kernel_driver.c `bf16 cache`, see docs/RESULTS.md. Same bits:
- * adam_vec1's operations in its order, and c10's rounding (f32_to_bf16), which vcvtneps2bf16 equals on every
- * fp32 but the subnormals (it flushes them to zero) and the NaNs (it keeps their sign and payload); a vector
- * holding one of those is rounded by f32_to_bf16 element by element. mt_bf16_check compares the two roundings
- * on every fp32. */
-static inline void f32x16_to_bf16(__m512 x, uint16_t *q) {
-    if (__builtin_expect(_mm512_fpclass_ps_mask(x, 0xA1) != 0, 0)) { /* 0xA1: quiet NaN, signalling NaN, subnormal */
-        float t[16];
-        _mm512_storeu_ps(t, x);
-        for (int j = 0; j < 16; j++) q[j] = f32_to_bf16(t[j]);
-        return;
-    }
-    _mm256_storeu_si256((__m256i *)q, (__m256i)_mm512_cvtneps_pbh(x));
+/* BF16_VECTOR: bf16 moments 16 at a time, written out where the compiler's vectorisation of the element loop
+ * was slower (when the rounding was to nearest: 2-vCPU EPYC (Zen 4) VM, benchmarks/host_kernel_driver.c
+ * `bf16 cache`, see docs/RESULTS.md). Same bits: adam_vec1's operations in its order, and SR's draws and
+ * rounding (sr_bits, f32_to_bf16_sr) in 16 lanes; mt_bf16_check compares them on every fp32. */
+static inline __m256i bf16x16_sr(__m512 x, __m512i r) { /* SR of 16 values none of which is a NaN */
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16));
+}
+static inline void f32x16_to_bf16_sr(__m512 x, __m512i r, uint16_t *q) {
+    const __m512i y = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    const __m512i out = _mm512_mask_mov_epi32(y, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)q, _mm512_cvtepi32_epi16(out));
+}
+/* The draws of elements i .. i + 15 (indices in the tensor; SR): lane k's Weyl product is the first's plus k WEYL */
+#define SR_LANE(k) ((int32_t)((k) * SR_WEYL))
+static inline __m512i sr_bits16(const Coef *c, int64_t i) {
+    const __m512i lanes = _mm512_set_epi32(SR_LANE(15u), SR_LANE(14u), SR_LANE(13u), SR_LANE(12u), SR_LANE(11u),
+                                           SR_LANE(10u), SR_LANE(9u), SR_LANE(8u), SR_LANE(7u), SR_LANE(6u),
+                                           SR_LANE(5u), SR_LANE(4u), SR_LANE(3u), SR_LANE(2u), SR_LANE(1u), 0);
+    __m512i x = _mm512_add_epi32(_mm512_set1_epi32((int32_t)((uint32_t)(c->origin + i) * SR_WEYL)), lanes);
+    x = _mm512_mullo_epi32(_mm512_xor_si512(x, _mm512_set1_epi32((int32_t)c->seed)), _mm512_set1_epi32((int32_t)SR_MUL));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
 }
 static inline __m512 grad16(const float *g) { return _mm512_loadu_ps(g); }
 static inline __m512 grad16_bf16(const uint16_t *g) { return bf16x16_to_f32(g); }
@@ -220,7 +251,7 @@ typedef struct {
 } Vec16;
 static inline __attribute__((always_inline)) void bf16_update16(const int small, const int scaled, float *p,
                                                                 __m512 gr, uint16_t *m, uint16_t *v,
-                                                                const Vec16 *k) {
+                                                                const Vec16 *k, __m512i h) {
     const __m512 gi = scaled ? _mm512_mul_ps(gr, k->fac) : gr;
     const __m512 mo = bf16x16_to_f32(m), vo = bf16x16_to_f32(v);
     const __m512 mi = _mm512_fmadd_ps(k->lerp, _mm512_sub_ps(gi, mo), small ? mo : gi);
@@ -228,8 +259,14 @@ static inline __attribute__((always_inline)) void bf16_update16(const int small,
     const __m512 den = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), k->bc2), k->eps);
     const __m512 u = _mm512_div_ps(_mm512_mul_ps(k->nstep, mi), den);
     _mm512_storeu_ps(p, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(p), k->decay), u));
-    f32x16_to_bf16(mi, m);
-    f32x16_to_bf16(vi, v);
+    const __m512i rm = _mm512_srli_epi32(h, 16), rv = _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF));
+    if (__builtin_expect(_mm512_cmp_ps_mask(mi, vi, _CMP_UNORD_Q) != 0, 0)) { /* a NaN in either: one test */
+        f32x16_to_bf16_sr(mi, rm, m);
+        f32x16_to_bf16_sr(vi, rv, v);
+        return;
+    }
+    _mm256_storeu_si256((__m256i *)m, bf16x16_sr(mi, rm));
+    _mm256_storeu_si256((__m256i *)v, bf16x16_sr(vi, rv));
 }
 
 /* Elements [a, the last multiple of 16 from a that b allows) of a loop over bf16 moments (torch's vector body:
@@ -246,9 +283,11 @@ static inline __attribute__((always_inline)) void bf16_update16(const int small,
         for (; i + CHUNK <= b; i += CHUNK) {                                                                \
             if (i + AHEAD + CHUNK <= b) PREFETCH_STATE(i + AHEAD, i + AHEAD + CHUNK);                      \
             for (int j = 0; j < CHUNK; j += 16)                                                             \
-                bf16_update16(small, scaled, p + i + j, LOADG16(g + i + j), m + i + j, v + i + j, &k);      \
+                bf16_update16(small, scaled, p + i + j, LOADG16(g + i + j), m + i + j, v + i + j, &k,       \
+                              sr_bits16(c, i + j));                                                         \
         }                                                                                                   \
-        for (; i + 16 <= b; i += 16) bf16_update16(small, scaled, p + i, LOADG16(g + i), m + i, v + i, &k); \
+        for (; i + 16 <= b; i += 16)                                                                        \
+            bf16_update16(small, scaled, p + i, LOADG16(g + i), m + i, v + i, &k, sr_bits16(c, i));         \
         return i;                                                                                           \
     }                                                                                                       \
     static int64_t NAME(float *restrict p, const GT *restrict g, uint16_t *restrict m, uint16_t *restrict v, \
@@ -276,15 +315,17 @@ BF16_VECTOR(vector_bf16_bf16, uint16_t, grad16_bf16)
     }
 
 #define SAME(x) (x)
-LOOP(loop_f32_f32, float, SAME, float, SAME, SAME, a)
-LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, SAME, a)
+#define KEEP(x, i, half) (x)
+/* SR of element i's moment by `half` (16: the first moment's) of its draw */
+#define SR(x, i, half) f32_to_bf16_sr(x, (sr_bits(c->seed, (uint32_t)(c->origin + (i))) >> (half)) & 0xFFFFu)
+LOOP(loop_f32_f32, float, SAME, float, SAME, KEEP, a)
+LOOP(loop_bf16_f32, uint16_t, bf16_to_f32, float, SAME, KEEP, a)
 #ifdef BF16_AVX512
-LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16, vector_f32_bf16(p, g, m, v, a, split, c, factor))
-LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16,
-     vector_bf16_bf16(p, g, m, v, a, split, c, factor))
+LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, SR, vector_f32_bf16(p, g, m, v, a, split, c, factor))
+LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, SR, vector_bf16_bf16(p, g, m, v, a, split, c, factor))
 #else
-LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, f32_to_bf16, a)
-LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, f32_to_bf16, a)
+LOOP(loop_f32_bf16, float, SAME, uint16_t, bf16_to_f32, SR, a)
+LOOP(loop_bf16_bf16, uint16_t, bf16_to_f32, uint16_t, bf16_to_f32, SR, a)
 #endif
 
 /* y rounded as FP8_CODES' first step, to fp16 at a scale of 1 / 256 (fp16(y / 256) x 256, exactly): to 11
@@ -691,20 +732,26 @@ int64_t mt_fp8_check(uint32_t stride, uint32_t part, uint32_t parts) {
 #endif
 }
 
-/* For tests/runtime/test_host_kernel.py: f32x16_to_bf16's mismatches against f32_to_bf16 (c10's rounding) over
- * every `stride`-th fp32 bit pattern, 16 consecutive ones per vector (stride 1: all 2^32, so every normal value
- * takes vcvtneps2bf16 and every subnormal and NaN the fallback); part `part` of `parts`, dealt out a vector at a
- * time. -1 where the vector code is not built. */
+/* For tests/runtime/test_host_kernel.py: the vector SR's mismatches (sr_bits16, f32x16_to_bf16_sr: both halves
+ * of the draw) against the element loop's (SR) over every `stride`-th fp32 bit pattern, 16 consecutive ones per
+ * vector, each drawn at its pattern as the index (stride 1: all 2^32, NaNs, infinities and subnormals
+ * included); part `part` of `parts`, dealt out a vector at a time. -1 where the vector code is not built. */
 int64_t mt_bf16_check(uint32_t stride, uint32_t part, uint32_t parts) {
 #ifdef BF16_AVX512
     int64_t bad = 0;
     float x[16];
-    uint16_t q[16];
+    uint16_t qm[16], qv[16];
+    Coef cc;
+    const Coef *c = &cc; /* what SR reads */
+    cc.seed = 0x9E3779B9u, cc.origin = 0;
     const uint64_t step = stride ? stride : 1;
     for (uint64_t u0 = 16 * step * part; u0 < (1ull << 32); u0 += 16 * step * parts) {
         for (int j = 0; j < 16; j++) x[j] = from_bits((uint32_t)(u0 + (uint64_t)j * step));
-        f32x16_to_bf16(_mm512_loadu_ps(x), q);
-        for (int j = 0; j < 16; j++) bad += q[j] != f32_to_bf16(x[j]);
+        const __m512i h = sr_bits16(c, (int64_t)u0);
+        f32x16_to_bf16_sr(_mm512_loadu_ps(x), _mm512_srli_epi32(h, 16), qm);
+        f32x16_to_bf16_sr(_mm512_loadu_ps(x), _mm512_and_si512(h, _mm512_set1_epi32(0xFFFF)), qv);
+        for (int j = 0; j < 16; j++)
+            bad += (qm[j] != SR(x[j], (int64_t)u0 + j, 16)) + (qv[j] != SR(x[j], (int64_t)u0 + j, 0));
     }
     return bad;
 #else

@@ -42,7 +42,7 @@ from megatrain.files import cache_root, write_atomic
 from megatrain.planner.host_policy import FP8_BLOCK, POLICIES
 from megatrain.planner.train import TrainSpec
 
-from . import host_adamw
+from . import host_adamw, stochastic_round
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class Hyper(ctypes.Structure):
     _fields_ = [("lr", ctypes.c_double), ("beta1", ctypes.c_double), ("beta2", ctypes.c_double),
                 ("weight_decay", ctypes.c_double), ("eps", ctypes.c_double), ("step", ctypes.c_double),
                 ("factor", ctypes.c_float), ("grad_bf16", ctypes.c_int32),
-                ("moments", ctypes.c_int32)]
+                ("moments", ctypes.c_int32), ("sr_seed", ctypes.c_uint32), ("origin", ctypes.c_int64)]
 
 
 _state: dict = {}  # "lib", "lanes", "why_not", "pool", "pool_size"; the checked cast: "cast_lib", "cast_why_not"
@@ -239,18 +239,21 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
          avg_scale: torch.Tensor | None, sq_scale: torch.Tensor | None, *, lr: float, betas: tuple[float, float],
-         weight_decay: float, eps: float, step: float, factor: float = 1.0, copy: torch.Tensor | None = None) -> None:
+         weight_decay: float, eps: float, step: float, factor: float = 1.0, copy: torch.Tensor | None = None,
+         seed: int = 0, origin: int = 0) -> None:
     """One AdamW update of the contiguous fp32 `param` in place (torch's fused kernel's bits) from `grad` (fp32
     or bf16) times `factor` (the clip factor; 1: unclipped), and moments of any of MOMENTS' dtypes (fp8: with their
     per-block scales); `step` is the count after the update. With `copy` (bf16, param's size; only where
-    cast_kernel.available()) the updated weights are also cast into it, in the same pass (cast_kernel.c)."""
+    cast_kernel.available()) the updated weights are also cast into it, in the same pass (cast_kernel.c).
+    bf16 moments are rounded stochastically with `seed` (stochastic_round.step_seed), element i of these
+    tensors as element origin + i of its parameter."""
     lib, n = _state["lib"], param.numel()
     for t in (param, grad, exp_avg, exp_avg_sq, *(() if copy is None else (copy,))):
         assert t.is_contiguous() and t.device.type == "cpu" and t.numel() == n
     assert param.dtype == torch.float32 and grad.dtype in (torch.float32, torch.bfloat16)
     assert exp_avg.dtype == exp_avg_sq.dtype and (exp_avg.dtype != torch.float8_e4m3fn or avg_scale is not None)
     hyper = Hyper(lr, betas[0], betas[1], weight_decay, eps, step, factor,
-                  int(grad.dtype == torch.bfloat16), MOMENTS[exp_avg.dtype])
+                  int(grad.dtype == torch.bfloat16), MOMENTS[exp_avg.dtype], seed, origin)
     args = (param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), _ptr(avg_scale),
             _ptr(sq_scale))
     nvec = n - n % _state["lanes"]
@@ -283,9 +286,10 @@ def _one_pass(params, grads, moments, steps, cfg, lr, wd, clip, copies=None) -> 
     in_pass = "cast_lib" in _state  # the checked cast writes the copy in the step's pass; else torch's, after
     for k, (p, g, mom, count) in enumerate(zip(params, grads, moments, steps)):
         copy = copies[k].view(-1) if copies is not None else None
+        at = int(count) + 1
         step(p.view(-1), g.view(-1), mom.exp_avg.view(-1), mom.exp_avg_sq.view(-1), mom.avg_scale, mom.sq_scale,
-             lr=lr, betas=cfg.betas, weight_decay=wd, eps=cfg.eps, step=float(count) + 1, factor=factor,
-             copy=copy if in_pass else None)
+             lr=lr, betas=cfg.betas, weight_decay=wd, eps=cfg.eps, step=float(at), factor=factor,
+             copy=copy if in_pass else None, seed=stochastic_round.step_seed(mom.key, at), origin=mom.origin)
         if copy is not None and not in_pass:
             copy.copy_(p.view(-1))
         count.add_(1)
@@ -306,7 +310,9 @@ def self_check() -> str:
             for one_pass in (False, True):
                 gen.manual_seed(1)
                 params = [torch.randn(s, generator=gen) * 0.02 for s in shapes]
-                moments = [host_adamw.new_moments(name, s) for s in shapes]
+                moments = [host_adamw.new_moments(name, s, f"check.{i}") for i, s in enumerate(shapes)]
+                for i, m in enumerate(moments):
+                    m.origin = 977 * i  # a shard's slice: bf16 moments draw by the index in the parameter
                 steps = [torch.zeros(()) for _ in shapes]
                 for k in range(3):
                     grads = [(torch.randn(s, generator=gen) * 10.0 ** -k).to(host_adamw.grad_dtype(name))

@@ -185,8 +185,44 @@ def _host_bytes() -> int:
 MATMUL_SIZES = {"cuda": {"bfloat16": 8192, "float32": 8192}, "cpu": {"bfloat16": 256, "float32": 512}}
 
 
-def probe(device: str = "auto", quick: bool = False) -> Hardware:
-    """Measure this machine. `device`: "cuda", "cpu" (the sim device), or "auto"."""
+def disk_rates(folder, nbytes: int) -> tuple[float, float, str]:
+    """(bytes/s, seconds per file, what was measured) of checkpoint writes into `folder` (its nearest existing
+    folder): one file of `nbytes` written and fsynced as a checkpoint's are, and the median of five small
+    files' write + fsync. The temporary file is removed."""
+    import os
+    import statistics
+    import tempfile
+    import time
+    from pathlib import Path
+
+    where = Path(folder)
+    while not where.is_dir() and where != where.parent:
+        where = where.parent
+    block = os.urandom(16 << 20)  # incompressible, as weights are
+    fd, name = tempfile.mkstemp(prefix=".megatrain-probe-", dir=where)
+    try:
+        start = time.perf_counter()
+        for at in range(0, nbytes, len(block)):
+            os.write(fd, block[: nbytes - at])
+        os.fsync(fd)
+        rate = nbytes / (time.perf_counter() - start)
+        small = []
+        for _ in range(5):
+            start = time.perf_counter()
+            os.pwrite(fd, block[:4096], 0)
+            os.fsync(fd)
+            small.append(time.perf_counter() - start)
+    finally:
+        os.close(fd)
+        os.unlink(name)
+    return rate, statistics.median(small), f"disk {rate / 1e9:.2f} GB/s write + fsync of {nbytes >> 20} MiB in {where}"
+
+
+def probe(device: str = "auto", quick: bool = False, disk=None) -> Hardware:
+    """Measure this machine. `device`: "cuda", "cpu" (the sim device), or "auto"; `disk`: the folder whose
+    write bandwidth checkpoints are priced at (default: the temporary folder)."""
+    import tempfile
+
     import torch
 
     if device == "auto":
@@ -207,8 +243,11 @@ def probe(device: str = "auto", quick: bool = False) -> Hardware:
     host_threads = host_optimizer_threads(device)
     rates = policy_rates((4 if quick else 16) * 2**20, repeats, host_threads)
     cast, cast_note = cast_fields(torch, device, (4 if quick else 16) << 20, repeats, sync)
+    disk_bw, disk_lat, disk_note = disk_rates(disk or tempfile.gettempdir(), nbytes)
+    cast = {**cast, "disk_write_bytes_per_s": disk_bw, "disk_file_latency_s": disk_lat}
     host, path = _host_bytes(), (f"{_optimizer_path()} on {host_threads} thread(s), as training runs it; store "
-                                 f"creation: first touch {touch / 1e9:.2f} GB/s, {draws / 1e6:.0f}M weights/s")
+                                 f"creation: first touch {touch / 1e9:.2f} GB/s, {draws / 1e6:.0f}M weights/s; "
+                                 f"{disk_note}")
     if cuda:
         props = torch.cuda.get_device_properties(0)
         pinned = torch.empty(nbytes * 4, dtype=torch.uint8, pin_memory=True)

@@ -70,7 +70,7 @@ class PolicyAdamW:
         self.policy, self.cfg = resolve(policy), cfg
         self.params = [p for _, p in named]
         self.decay = [decays(n, tuple(p.shape)) for n, p in named]
-        self.moments = [new_moments(self.policy, tuple(p.shape)) for p in self.params]
+        self.moments = [new_moments(self.policy, tuple(p.shape), n) for n, p in named]
         self.steps = [torch.zeros((), dtype=torch.float32) for _ in self.params]
 
     def zero_grad(self, set_to_none: bool = True) -> None:

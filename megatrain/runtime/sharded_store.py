@@ -53,6 +53,8 @@ class ShardedHostStore(HostStore):
         for name in self.sharded:
             st, shapes = self.units[name], {p.name: p.shape for p in ir.unit(name).params}
             st.decay = [decays(f"{name}.{p.name}", shapes[p.name]) for p in st.owned]
+            for mom, p in zip(st.moments, st.owned):  # bf16 moments round by the index in the whole parameter
+                mom.origin = self.start(name, p)
         if init:
             self._init(seed)
 
@@ -86,13 +88,15 @@ class ShardedHostStore(HostStore):
         raise ValueError("a sharded store holds slices of its parameters: use full_master() (on every rank) for "
                          "whole tensors")
 
-    def shard_state(self, unit: str) -> dict[str, torch.Tensor]:
+    def shard_state(self, unit: str, mirror: bool = True) -> dict[str, torch.Tensor]:
         """A sharded unit's state on this rank as flat views of the store's memory, by checkpoint name:
         `master`, `exp_avg`, `exp_avg_sq` (S elements; the policy's moment dtype), `exp_avg_scale`,
         `exp_avg_sq_scale` (fp8: per block of each slice), `step` (one count per slice), `buffer` (its routing
-        buffers, replicated). Read them to save; write into them to load."""
+        buffers, replicated). Read them to save; write into them to load. `mirror=False`: as state_tensors'."""
         st, b = self.units[unit], self._bufs
         st.bound = None
+        if mirror:  # a device unit's shard: its mirror brought up to date, uploaded again before the next step
+            self._mirror_touch()
         self.feed.invalidate(unit)  # a bf16 copy of the masters (runtime/cast.py) is cast again at its next load
         out = {"master": st.master, "exp_avg": b[f"exp_avg.{unit}"], "exp_avg_sq": b[f"exp_avg_sq.{unit}"]}
         if f"scales.{unit}" in b:
@@ -107,6 +111,8 @@ class ShardedHostStore(HostStore):
     def full_master(self) -> dict[str, torch.Tensor]:
         """Every owned parameter's whole fp32 master by eager name, gathered from every rank (a collective on
         the main group: call it on every rank, between steps)."""
+        if self.mirror is not None:  # device units' shards: their mirror brought up to date (read only)
+            self.mirror.pull()
         out = {}
         for u in self.full_ir.units:
             st = self.units[u.name]
@@ -122,6 +128,11 @@ class ShardedHostStore(HostStore):
                 for p, v in zip(st.owned, st.master_views()):
                     out[f"{u.name}.{p.name}"] = v.clone().view(p.shape)
         return out
+
+    def state_tensors(self, unit: str, mirror: bool = True) -> dict[str, torch.Tensor]:
+        """HostStore's, for a replicated unit (rank 0 alone reads them to save): a device unit is never
+        replicated, and a touch on one rank only would make it alone upload and gather (resident.py)."""
+        return super().state_tensors(unit, mirror=mirror and unit in self.sharded)
 
     def full_buffers(self) -> dict[str, torch.Tensor]:
         """Eager-named views of every unit's buffers (replicated: this rank's are everyone's)."""

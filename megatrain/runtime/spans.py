@@ -41,7 +41,7 @@ class Spans:
 
     def _timed(self, stream: str, label: str, fn):
         """Wrap an op to record its span: wall time on sim and host, CUDA events on GPU streams."""
-        gpu = self.device.kind == "cuda" and stream != "host"
+        gpu = self.device.kind == "cuda" and stream not in ("host", "disk")  # those two are host threads
         step = self.step_index
 
         def run():

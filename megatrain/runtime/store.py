@@ -19,6 +19,10 @@ device casts it; or a persistent bf16 copy (`copy.{unit}`) that each optimizer s
 moments. An fp32 unit's pinned master crosses the link itself. Without a program (tests of the math) every
 unit has a gradient buffer of its own, and bf16 casts on the host.
 
+A unit whose state lives on the device (runtime/resident.py) has no host gradient buffer; its master and moments
+here are its mirror: `mirror` (the engine) brings them up to date before a read through views (state_tensors,
+named_master) and uploads them again before the next step after a write.
+
 Tied parameters (the LM head sharing the embedding) are owned by one unit: its master and moments live
 there; a borrower's load takes the tied slices from the owner's master, and its gradient is added to the
 owner's at the owner's step (or at clip_grads). The borrower's master and moments hold only its owned
@@ -69,6 +73,7 @@ from .host_memory import HostArena, HostBuffer
 from .host_state import adamw_step
 from .moe_logs import update_unit_buffers
 from .optim import clip_coefficient
+from .stochastic_round import param_key
 from .verdict import growth, step_fault, unit_fault
 
 KEEP_GRAD_NORMS = 16  # steps of global gradient norms kept for readers behind the host stream
@@ -87,8 +92,8 @@ class UnitState:
         # initial value, and left the masters to what overwrites them (the initial weights, a checkpoint)
         self.master = bufs[f"master.{name}"]
         m, v = bufs[f"exp_avg.{name}"], bufs[f"exp_avg_sq.{name}"]
-        self.moments = [Moments(m[p.offset : p.offset + p.numel], v[p.offset : p.offset + p.numel])
-                        for p in self.host]
+        self.moments = [Moments(m[p.offset : p.offset + p.numel], v[p.offset : p.offset + p.numel],
+                                key=param_key(f"{name}.{p.name}")) for p in self.host]
         if policy.moments == "fp8":
             scales = bufs[f"scales.{name}"]
             at, half = 0, scales.numel() // 2
@@ -168,15 +173,20 @@ class HostStore:
         self.faults: list[tuple[int, str]] = []  # (engine step index, what was not finite), drained by the Trainer
         self._fault_step: int | None = None  # the step whose remaining updates are skipped
         self._barrier_step: int | None = None  # the last step a clip_grads barrier checked globally
+        # the engine's hook (runtime/resident.py) when some units' state lives on the device: their master and
+        # moments here are its mirror, brought up to date before a read and re-uploaded after a write
+        self.mirror = None
         if init:  # NOTE: a resumed run loads every value from a checkpoint; drawing 70B random numbers first is waste
             self._init(seed)
 
     # -- layout ------------------------------------------------------------------------------------------------
     def _grad_assignment(self, program: Program | None) -> list[int]:
-        assignment = list(range(len(self.ir.units)))
+        assignment: list[int | None] = list(range(len(self.ir.units)))
         if program is not None:
             index = {u.name: i for i, u in enumerate(self.ir.units)}
             for ins in program.instrs:
+                if ins.op == "device_step":  # stepped on the device: no host gradient (planner/report.py agrees)
+                    assignment[index[ins.unit]] = None
                 if ins.op == "store_grads":
                     if ins.host_grad is None:
                         raise ValueError(f"{ins}: the program names no host gradient buffer; plan it again "
@@ -249,18 +259,22 @@ class HostStore:
     def _invalidate(self) -> None:
         """Masters may be written through views handed out: their norms must be taken again (and a bf16 copy
         of them cast again, runtime/cast.py)."""
+        self._mirror_touch()
         self.feed.invalidate()
         for st in self.units.values():
             st.bound = None
 
-    def state_tensors(self, unit: str) -> dict[str, torch.Tensor]:
+    def state_tensors(self, unit: str, mirror: bool = True) -> dict[str, torch.Tensor]:
         """A unit's checkpointed state as views of the store's memory (no copies), by checkpoint tensor name:
         `master/<param>` (fp32), `exp_avg/<param>`, `exp_avg_sq/<param>` (the parameter's shape, in the
         policy's moment dtype), `exp_avg_scale/<param>`, `exp_avg_sq_scale/<param>` (fp8: fp32 per block) and
         `step/<param>` (AdamW's fp32 step count) for every owned parameter, `buffer/<buffer>` for its buffers.
-        Read them to save; write into them to load."""
+        Read them to save; write into them to load. `mirror=False`: the caller brought a device unit's mirror up
+        to date itself and only reads (a streamed checkpoint's write on the disk stream, checkpoint_stream.py)."""
         st = self.units[unit]
         st.bound = None
+        if mirror:
+            self._mirror_touch()
         self.feed.invalidate(unit)
         out: dict[str, torch.Tensor] = {}
         for p, v in zip(st.owned, st.master_views()):
@@ -275,6 +289,13 @@ class HostStore:
         for name, v in buffer_views(st.buffers, st.unit.buffers).items():
             out[f"buffer/{unit}.{name}"] = v
         return out
+
+    def _mirror_touch(self) -> None:
+        """The state is about to be read or written through views: a device unit's mirror is brought up to date
+        first and uploaded again before the next step (runtime/resident.py)."""
+        if self.mirror is not None:
+            self.mirror.pull()
+            self.mirror.stale()
 
     def named_buffers(self) -> dict[str, torch.Tensor]:
         """Eager-named views of every unit's buffers (as EagerModel.named_buffers() names them)."""

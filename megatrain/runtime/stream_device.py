@@ -6,10 +6,11 @@ Where it sits: the bottom of the runtime. The engine (runtime/engine.py) walks a
 the streams only through events, exactly the semantics of ir/README.md. The same program runs on both kinds.
 Run its tests: `.venv/bin/pytest tests/runtime/test_device.py` (the CUDA ones: `make test-cuda`).
 
-- Streams: `compute`, `h2d`, `d2h`, `host`, `comm` (collectives, idle on one rank). Each has one worker
-  thread with a FIFO queue. On `sim` the worker runs the work; on `cuda` the workers of the four GPU streams
-  *issue* work on their torch.cuda.Stream (so a GPU stream that waits on a host event blocks only its own
-  issuing; NCCL orders its collectives after the comm stream's work), and `host` runs Python on a thread.
+- Streams: `compute`, `h2d`, `d2h`, `host`, `comm` (collectives, idle on one rank), `disk` (a checkpointing
+  step's writes, checkpoint_stream.py). Each has one worker thread with a FIFO queue. On `sim` the worker runs
+  the work; on `cuda` the workers of the four GPU streams *issue* work on their torch.cuda.Stream (so a GPU
+  stream that waits on a host event blocks only its own issuing; NCCL orders its collectives after the comm
+  stream's work), and `host` and `disk` run Python on a thread.
 - Events are keyed `(name, step)`. A stream records an event each step; `wait(name, s)` is satisfied once the
   record of step `s` (or a later one: a stream records in step order) has run. Cross-step waits (ir/README.md)
   wait on `step - 1`; a wait on a step before the device's first step is a no-op. The first step is the step
@@ -38,7 +39,7 @@ from . import cast_kernel
 from .cpus import CpuBudget
 from .cpus import resolve as resolve_cpus
 
-STREAMS = ("compute", "h2d", "d2h", "host", "comm")
+STREAMS = ("compute", "h2d", "d2h", "host", "comm", "disk")
 
 # Queue items: (kind, payload...). MARK items are processed even after a failure, so synchronize() returns.
 _OP, _RECORD, _WAIT, _MARK, _STOP = "op", "record", "wait", "mark", "stop"
@@ -193,7 +194,8 @@ class Device:
         # NOTE: torch initialises a thread's intra-op count lazily from the process-wide one at its first
         # parallel op, which would undo a set_num_threads made before it: initialise first, then set
         torch.get_num_threads()
-        torch.set_num_threads(self.cpu.threads[stream])
+        # the disk stream (checkpoint writes: hashing and file I/O) has no budget of its own: one thread
+        torch.set_num_threads(self.cpu.threads.get(stream, 1))
 
     def _before(self, stream: str) -> None: ...
 

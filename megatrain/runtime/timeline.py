@@ -18,15 +18,17 @@ from megatrain.files import write_atomic
 from megatrain.ir.base import IRModel
 from megatrain.planner.series import Span
 
-TRACKS = {"compute": 1, "h2d": 2, "d2h": 3, "host": 4}
-UNIT_OPS = ("load_params", "forward", "backward", "store_grads", "optimizer_step")
+TRACKS = {"compute": 1, "h2d": 2, "d2h": 3, "host": 4, "comm": 5, "disk": 6}  # the last two where they ran
+UNIT_OPS = ("load_params", "forward", "backward", "store_grads", "optimizer_step", "device_step", "store_norms")
 
 
 def write_measured_trace(spans: list[tuple], path: str | Path, title: str) -> int:
     """Write spans from Engine.measured_spans() as trace JSON (microseconds); returns the span count."""
     events: list[dict] = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": title}}]
+    ran = {s[0] for s in spans}
     for stream, tid in TRACKS.items():
-        events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": stream}})
+        if tid <= 4 or stream in ran:
+            events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": stream}})
     for stream, label, step, start, end, mem in spans:
         events.append({"ph": "X", "pid": 1, "tid": TRACKS[stream], "name": label.split(" (step")[0],
                        "ts": start * 1e6, "dur": max(end - start, 0.0) * 1e6, "args": {"step": step}})

@@ -10,6 +10,10 @@ The run's settings are one RunConfig (config.py): what the CLI prints, what ever
 and what a run file holds. This module orchestrates; each concern has its module: building the run
 (build.py: model, data, device, plan, store, engine), checkpoints and resume (checkpointer.py), the metrics
 log (metrics.py) and preemption (signals.py: SIGTERM/SIGINT stop after the step in flight with a checkpoint).
+A periodic checkpoint but the run's last is written by the next step while it trains (the planner's
+checkpointing step, planner/checkpoint_writes.py, run instead of the step program; checkpoint_stream.py): its
+seal is noted after the step, and every synchronous save (the last, a stop signal's, one by hand) and the run's
+end wait for it first.
 
 Numerical faults (`on_nan`): a NaN or inf in a step's loss or gradients is never applied (HostStore
 `check_finite`). "abort" raises NumericalFault (a ValueError: one line from the CLI) and writes no checkpoint
@@ -89,6 +93,11 @@ class Trainer:
         self._scalars = None  # the TensorBoard writer, opened by the first run()
         self._metrics: MetricsLog | None = None  # the log of the run() in progress
         self._last_final: float | None = None  # when the last completed record's step was final
+        # checkpoints written while training goes on (checkpoint_stream.py): the checkpointing step program, the
+        # step whose state the next step is to write, and the writes not yet sealed
+        self._writing_program, self.checkpoint_note = None, ""
+        self._write_due = False
+        self._writes: list = []
         # Cheap checks first: a bad data file or checkpoint is reported before anything big is allocated.
         self.config, self.model_dir = build.model_of(cfg)
         self.data, self.val_data, self.pack, self.batcher = build.data_of(cfg, self.config, self.model_dir)
@@ -139,6 +148,7 @@ class Trainer:
                                                                self.comm)
         self.checkpoints.check_space(self.store)
         self.engine = build.engine_of(self.plan, cfg, self.device, self.store, self.comm)
+        self._writing_program, self.checkpoint_note = self.checkpoints.streamed(self.plan, self.plan.ir)
         if self.weights is not None:
             load_weights(self.weights, self.store)
         if manifest is not None:
@@ -169,16 +179,25 @@ class Trainer:
         """Drain the device, refuse a faulty state, write checkpoint `self.step`; returns its folder."""
         if self.checkpoints.folder is None:
             raise ValueError("no checkpoint_dir: pass checkpoint_dir=DIR (--checkpoint-dir)")
-        self.device.synchronize()
+        self.device.synchronize()  # the disk stream too: the checkpoints being written are sealed first
+        self._collect_writes()
         self._handle_faults()
-        meta = {"model": self.config.model_dump(), "train": self.train.model_dump(mode="json"),
+        self._write_due = False  # written here, whole
+        return self.checkpoints.save(self.step, self.store, self.device, self._meta(), self.model_dir)
+
+    def _meta(self) -> dict:
+        """The manifest's fields of a checkpoint of the current step."""
+        return {"model": self.config.model_dump(), "train": self.train.model_dump(mode="json"),
                 **({"data": self.batcher.state(self.step)} if self.batcher else {}),  # none without data
                 "plan_sha256": self.plan_sha256,
                 "run": {"device": self.device.kind, "gpu_budget_bytes": self.plan.gpu_budget_bytes,
                         "hardware": self.hardware.name, "on_nan": self.on_nan},
                 "settings": self.run_config.settings(),
                 "source": {"hf_dir": str(self.model_dir.resolve())} if self.model_dir else None}
-        return self.checkpoints.save(self.step, self.store, self.device, meta, self.model_dir)
+
+    def _collect_writes(self) -> None:
+        """Take note of the checkpoints the checkpointing steps have sealed; raise the first that failed."""
+        self._writes = self.checkpoints.collect(self._writes, self.store)
 
     def checkpoint_bytes(self) -> int:
         return self.checkpoints.checkpoint_bytes(self.store)
@@ -192,12 +211,15 @@ class Trainer:
     def _handle_faults(self, loss: float | None = None) -> None:
         """Abort on a fault, or log the skipped steps. Faults of a step may surface a step later (the host
         optimizer runs behind the compute), and always by the next synchronize."""
-        faults = [(step + 1, what) for step, what in self.store.take_faults()]
+        faults = [(step + 1, what) for step, what in self.engine.take_faults()]
         if self.on_nan == "abort":
             if loss is not None and not math.isfinite(loss):
                 faults.insert(0, (self.step, f"the loss is {loss}"))
             if faults:
                 step, what = min(faults, key=lambda f: f[0])  # the first fault; the loss before its gradients
+                with contextlib.suppress(Exception):  # a checkpoint being written from before the fault is sealed
+                    self.device.synchronize("disk")
+                    self._collect_writes()
                 kept = self._kept()
                 raise NumericalFault(
                     f"step {step}: {what}; training stopped (--on-nan abort) without writing a checkpoint from "
@@ -233,7 +255,15 @@ class Trainer:
 
     def train_step(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         lr = lr_at(self.train, self.step)
-        loss = self.program.step(self.engine, batch, lr)
+        program = self.program
+        if self._write_due:  # the state this step starts from is a checkpoint due: this step writes it
+            self._write_due = False
+            job = self.checkpoints.job(self.step, self.engine.step_index - 1, self.store, self.device, self._meta(),
+                                       self.model_dir, self.on_nan == "abort")
+            self.engine.write_checkpoint(job)
+            self._writes.append(job)
+            program = self._writing_program
+        loss = program.step(self.engine, batch, lr)
         self.step += 1
         return loss
 
@@ -295,8 +325,11 @@ class Trainer:
                 for _ in range(steps):
                     log.add(self._logged_step(eval_every))
                     finish(block=len(log.open) > 1)
+                    self._collect_writes()
                     saved = self.checkpoints.due(self.step, last)
-                    if saved:
+                    if saved and self._writing_program is not None and self.step < last:
+                        self._write_due, saved = True, False  # the next step writes it while it trains
+                    elif saved:
                         self.save_checkpoint()
                         finish(block=True)
                     bar.update(task, advance=1)
@@ -304,6 +337,7 @@ class Trainer:
                     if signum is not None:
                         self._stop(signum, saved, finish)
                 self.device.synchronize()
+                self._collect_writes()
                 finish(block=True)
                 self._handle_faults()
             finally:
@@ -315,6 +349,7 @@ class Trainer:
     def _stop(self, signum: int, saved: bool, finish) -> None:
         """A stop signal came: drain, checkpoint this step when checkpointing is configured, raise Preempted."""
         self.device.synchronize()
+        self._collect_writes()
         finish(block=True)
         self._handle_faults()
         if self.checkpoints.every and not saved:

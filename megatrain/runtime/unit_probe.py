@@ -156,6 +156,7 @@ class ProbeEngine(Engine):
             PASS_MAX, -(-PASS_BYTES // unit.saved_bytes))
         self.held: list[tuple[str, object]] = []  # graphs set aside: (pool name, value)
         self.cast_stores: dict[str, HostStore] = {}  # probe_units: the unit at the other places of the cast
+        self.dev_states: dict = {}  # probe_units: the unit's state on the device per host policy
 
     def hold(self) -> None:
         """Set the unit's kept graph aside (alive, counted in the pool) for the next forward to make another."""
@@ -236,7 +237,42 @@ def _ops(e: ProbeEngine, policies: list[str], clip: bool) -> list[tuple[str, obj
         ops.append((f"opt:{pol}", lambda s=e.stores[pol], st=st: s.step_unit(name, e.lr, e.step_index, st.grad_buffer)))
         if clip:
             ops.append((f"optclip:{pol}", lambda s=e.stores[pol], st=st: _clipped_step(s, name, e, st)))
-    return ops
+    for pol in e.dev_states:  # as a device-resident unit: its step on the compute stream, its norms to the host
+        ops += [(f"dstep:{pol}", lambda pol=pol: _device_step(e, pol, False))] + \
+            ([(f"dstepclip:{pol}", lambda pol=pol: _device_step(e, pol, True))] if clip else [])
+    return ops + ([("store_norms_s", lambda: e.store_norms(0, name, 0))] if e.dev_states else [])
+
+
+def _device_states(e: ProbeEngine, policies: list[str]) -> dict:
+    """The probed unit's `dstate` as a device unit's (slot0 its slot) under exact, the one policy a device step
+    runs (host_adamw.device_adamw); none for a unit that may not reside."""
+    from megatrain.planner.residency import can_reside, device_state_bytes
+
+    from .resident import DeviceState
+    if "exact" not in policies or can_reside(e.ir, [u.name for u in e.ir.units].index(e.unit.name)) is not None:
+        return {}
+    own, e.store = e.store, e.stores["exact"]
+    try:
+        ds = DeviceState(e, e.unit.name, 0, device_state_bytes(e.unit, "exact", e.ir.dtype))
+        pairs = ds.pairs(e.store)  # its state from the store's, as the engine's upload_resident
+    finally:
+        e.store = own
+    e.device.submit("compute", lambda: [e.device.copy(d, h) for d, h in pairs], "probe upload")
+    e.device.synchronize()
+    return {"exact": ds}
+
+
+def _device_step(e: ProbeEngine, pol: str, clip: bool) -> None:
+    """device_step of the probed unit under `pol`, through the engine's own step (clip: a clip factor < 1)."""
+    store, own = e.stores[pol], (e.store, e._clips, e.dstate)
+    e.store, e._clips, e.dstate = store, clip, {e.unit.name: e.dev_states[pol]}
+    store.clip_coef = torch.tensor(0.5) if clip else None
+    try:
+        e.device_step(0, e.unit.name, 0, 0)
+        e.device.synchronize()
+    finally:
+        e.store, e._clips, e.dstate = own
+        store.clip_coef = None
 
 
 def _cast_stores(e: ProbeEngine, device: Device, train: TrainSpec, policy: str) -> dict[str, HostStore]:
@@ -393,6 +429,7 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
             e.stores = {p: (e.store if p == policies[0] else HostStore(e.ir, train, policy=p, device=device.kind))
                         for p in policies}
             e.cast_stores = _cast_stores(e, device, train, policies[0])
+            e.dev_states = _device_states(e, policies)
             e.put_carry()
             device.synchronize()
             engines.append(e)
@@ -437,7 +474,10 @@ def probe_units(ir: ModelIR, kind: str = "sim", *, policies: list[str] | None = 
             store_s=med["store_s"], offload_s=med.get("offload_s", 0.0),
             reload_s=med.get("reload_s", 0.0),
             optimizer_s={p: med[f"opt:{p}"] for p in policies},
-            optimizer_clip_s={p: med.get(f"optclip:{p}", med[f"opt:{p}"]) for p in policies})
+            optimizer_clip_s={p: med.get(f"optclip:{p}", med[f"opt:{p}"]) for p in policies},
+            device_step_s={p: med[f"dstep:{p}"] for p in e.dev_states},
+            device_step_clip_s={p: med.get(f"dstepclip:{p}", med[f"dstep:{p}"]) for p in e.dev_states},
+            store_norms_s=med.get("store_norms_s"))
     fields = dict(device=kind, device_name=device_name(kind), torch=torch.__version__, config_sha=config_sha(ir.config),
                   micro_batch=ir.micro_batch, seq_len=ir.seq_len, dtype=ir.dtype, packed=ir.packed,
                   loss_chunk=loss_chunk, threads=used, compiled=False)

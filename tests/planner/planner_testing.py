@@ -83,7 +83,7 @@ def independent_timeline(program: Program, kinds=None) -> tuple[list[int], list[
                 alive.setdefault(w, size[w])
         now = static + sum(alive.values())
         buffers.append(now)
-        totals.append(now + (ins.workspace_bytes if ins.op in ("forward", "backward") else 0))
+        totals.append(now + (ins.workspace_bytes if ins.op in ("forward", "backward", "device_step") else 0))
     return totals, buffers
 
 

@@ -11,6 +11,7 @@ from planner_testing import find, model_irs, without
 from megatrain.planner import ScheduleError, TrainSpec, check, hardware_preset, plan, verify
 from megatrain.planner.collectives import collective_seconds
 from megatrain.planner.host_policy import host_layout
+from megatrain.planner.residency import device_state_bytes
 from megatrain.planner.scaling import scaling, worlds
 from megatrain.planner.synthetic import transformer_ir
 from megatrain.planner.world import (
@@ -173,6 +174,34 @@ def test_the_verifier_checks_shard_flags_norms_and_gradient_collectives():
     assert any("unit embed has 0 gradient collectives" in m for m in check(gone))
     one = p.replace(world_size=1)
     assert any("world_size is 1" in m for m in check(one))
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_resident_units_in_a_world(clip):
+    """A device unit: reduce_scatter before its store_norms, its device step on the rank's shard, all_gather of
+    its slot after; its dstate the most any rank's shard holds. A weights unit: one shard load and all_gather a
+    step. Orders that break those rules fail verification."""
+    ir = transformer_ir(n_layers=3, micro_batch=1, seq_len=64, target="cpu")
+    mapping = {"blocks.0": "device", "blocks.1": "weights", "head": "device"}
+    p = plan(ir, "cpu", TRAIN.replace(grad_accum=2, clip_norm=clip), "64MiB", world=World(nproc=2),
+             resident=mapping, host_policy="exact")
+    instrs = p.program.instrs
+    assert check(p.program, ir=p.ir) == [] and p.resident_units == ("blocks.0", "blocks.1", "head")
+    at = {(ins.op, ins.unit): i for i, ins in enumerate(instrs)}
+    for u in ("blocks.0", "head"):
+        assert at["reduce_scatter", u] < at["store_norms", u] < at["device_step", u] < at["all_gather", u]
+        ranks = [device_state_bytes(rank_ir(p.ir, 2, r).unit(u), "exact", p.ir.dtype) for r in range(2)]
+        assert p.program.buffer(f"dstate.{u}").nbytes == max(ranks)
+        assert ranks[0] < device_state_bytes(p.ir.unit(u), "exact", p.ir.dtype) * 0.6  # a shard's
+    assert [i.unit for i in instrs if i.op == "load_params"].count("blocks.1") == 1
+    assert any("stepped on the device" in line for r in p.passes if r.name == "collectives" for line in r.decisions)
+    g = at["all_gather", "blocks.0"]
+    gone = p.program.replace(instrs=tuple(ins for i, ins in enumerate(instrs) if i != g))
+    assert any("needs an all_gather after it" in m for m in check(gone))
+    if clip is not None:  # the device steps wait for clip_grads, which waits for every store_norms
+        return
+    w = find(p.program, op="wait", stream="compute", event="reduced.head")
+    assert any("device_step(unit=head" in m and "reduce_scatter" in m for m in check(without(p.program, w)))
 
 
 def test_one_rank_plans_are_unchanged_by_the_world():

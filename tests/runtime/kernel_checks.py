@@ -25,8 +25,8 @@ def fp8_check(stride: int = 1) -> int:
 
 
 def bf16_check(stride: int = 1) -> int:
-    """How many fp32 inputs the AVX512_BF16 rounding of host_kernel.c's bf16 moments gets wrong against c10's
-    (every `stride`-th fp32 bit pattern); -1 where that code is not built (no AVX512_BF16)."""
+    """How many fp32 inputs the AVX-512 stochastic rounding of host_kernel.c's bf16 moments gets wrong against
+    its element loop's (every `stride`-th fp32 bit pattern); -1 where that code is not built (no AVX-512)."""
     return on_every_core(host_kernel._state["lib"].mt_bf16_check, stride)
 
 

@@ -3,7 +3,8 @@ MEGATRAIN_TEST_PAUSE_AT says, so a test can SIGKILL the run there (test_resume_k
 test_distributed.py).
 
 `optimizer:K` pauses the host optimizer after the first unit of step K (1-based) has stepped; `checkpoint:K`
-pauses the save of checkpoint K after its first file. Either prints `megatrain-test: paused at ...` to stderr
+pauses the save of checkpoint K after its first file, whether written between steps or while the next step
+trains (runtime/checkpoint_stream.py: the disk stream pauses; its first file is the first unit stepped). Either prints `megatrain-test: paused at ...` to stderr
 and sleeps. A bad value fails the run from inside the Trainer, so under torchrun the other ranks hear of it.
 """
 
@@ -13,6 +14,7 @@ import time
 
 from megatrain.cli import main
 from megatrain.runtime import checkpoint, sharded_checkpoint
+from megatrain.runtime.checkpoint_stream import CheckpointStream
 from megatrain.runtime.store import HostStore
 from megatrain.runtime.trainer import Trainer
 
@@ -50,6 +52,14 @@ def pause_at(text: str) -> None:
 
     checkpoint.save_checkpoint = pausing_save(checkpoint.save_checkpoint)
     sharded_checkpoint.save = pausing_save(sharded_checkpoint.save)
+    save_unit = CheckpointStream._save_unit
+
+    def saving_unit(self, job, unit):
+        save_unit(self, job, unit)
+        if job.step == step and len(job.files) == 1:
+            pause_here(f"checkpoint:{step} after {next(iter(job.files))}")
+
+    CheckpointStream._save_unit = saving_unit
 
 
 def install() -> None:

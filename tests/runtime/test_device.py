@@ -240,7 +240,7 @@ def test_bad_arguments():
 def test_sim_device_basics():
     with make_device("sim", 1 << 20, delays=(0.0, 0.001), seed=3) as dev:
         assert dev.kind == "sim" and dev.torch_device == torch.device("cpu") and dev.pool.budget == 1 << 20
-        assert dev.STREAMS == ("compute", "h2d", "d2h", "host", "comm")
+        assert dev.STREAMS == ("compute", "h2d", "d2h", "host", "comm", "disk")
         t = dev.empty((2, 3), torch.bfloat16)
         assert t.shape == (2, 3) and t.dtype == torch.bfloat16 and t.device.type == "cpu"
         dev.pool.alloc("a", 10)

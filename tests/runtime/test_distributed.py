@@ -48,8 +48,8 @@ def _train(grad_accum: int, clip: float | None, seq_len: int = 32) -> dict:
                      total_steps=3, weight_decay=0.1, clip_norm=clip).model_dump()
 
 
-def _eager(config: dict, train: dict, batches):
-    eager = EagerTrainer(ModelConfig.model_validate(config), TrainSpec.model_validate(train))
+def _eager(config: dict, train: dict, batches, policy: str = "exact"):
+    eager = EagerTrainer(ModelConfig.model_validate(config), TrainSpec.model_validate(train), host_policy=policy)
     losses = [eager.step(b) for b in batches]
     return eager.model, losses
 
@@ -75,11 +75,11 @@ def _assert_trained_alike(result: dict, model, losses, bit_exact: bool) -> None:
 
 
 def _scenario(tmp_path, nproc: int, config: dict, train: dict, budget: int, delays=None, dense=True,
-              collectives=("all_gather", "reduce_scatter")):
+              collectives=("all_gather", "reduce_scatter"), policy: str = "exact"):
     batches = global_batches(config, train, 3)
     results = run_ranks("dist_workers:streamed", nproc, tmp_path, config=config, train=train, budget=budget,
-                        batches=batches, delays=delays)
-    model, losses = _eager(config, train, batches)
+                        batches=batches, delays=delays, policy=policy)
+    model, losses = _eager(config, train, batches, policy)
     for r, res in enumerate(results):
         assert res["host_bytes"] == res["plan_host_bytes"][r], f"rank {r} allocated other host bytes than planned"
         assert res["master"].keys() == results[0]["master"].keys()
@@ -100,6 +100,16 @@ def test_two_ranks_train_as_one_over_the_global_batch(tmp_path):
         _assert_trained_alike(result, model, losses, bit_exact=exact)
 
 
+@pytest.mark.slow
+def test_two_ranks_under_the_bf16_policy_train_as_one_bit_for_bit(tmp_path):
+    """bf16 moments and gradients, 2 ranks of one micro-batch each, no clipping: bit-identical to eager training
+    under the policy, so the stochastic rounding of a shard's slices (some starting mid-parameter) drew the
+    whole parameter's bits for its elements (host_adamw.Moments.origin)."""
+    train = _train(2, None)
+    result, model, losses = _scenario(tmp_path, 2, config_of(n_layers=2), train, 6 * MIB, policy="bf16")
+    _assert_trained_alike(result, model, losses, bit_exact=True)
+
+
 def test_two_ranks_with_a_tied_head(tmp_path):
     """The tied embedding and head are replicated units whose host layout leaves the shared weight at its
     owner (UnitIR.host_params): every rank allocates what the plan says and ends with the eager model."""
@@ -109,6 +119,53 @@ def test_two_ranks_with_a_tied_head(tmp_path):
     result, model, losses = _scenario(tmp_path, 2, config, train, 6 * MIB,
                                       collectives=("all_gather", "all_reduce", "reduce_scatter"))
     _assert_trained_alike(result, model, losses, bit_exact=False)
+
+
+RESIDENT = {"blocks.0": "device", "blocks.1": "weights"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, grad_accum, clip", [("fp32", 4, 1.0), ("bf16", 4, 1.0)])
+def test_two_ranks_with_resident_units_train_as_one(tmp_path, dtype, grad_accum, clip):
+    """A unit stepped on the device steps its rank's shard and all-gathers its slot after; a unit keeping its
+    weights loads its shard once a step: with two micro-batches per rank and clipping, fp32 equals eager
+    training to fp32 round-off and bf16 the 2-rank streamed run bit for bit."""
+    config, train = config_of(n_layers=2), {**_train(grad_accum, clip), "dtype": dtype}
+    batches = global_batches(config, train, 3)
+    res = run_ranks("dist_workers:streamed", 2, tmp_path, config=config, train=train, budget=6 * MIB,
+                    batches=batches, resident=RESIDENT)
+    for r in res:
+        assert r["host_bytes"] == r["plan_host_bytes"][r["rank"]] and r["peak"] == r["plan_peak"]
+        assert all(torch.equal(r["master"][k], res[0]["master"][k]) for k in r["master"])  # one model
+    if dtype == "fp32":
+        model, losses = _eager(config, train, batches)
+        _assert_trained_alike(res[0], model, losses, bit_exact=False)
+        return
+    ref = run_ranks("dist_workers:streamed", 2, tmp_path, config=config, train=train, budget=6 * MIB,
+                    batches=batches)[0]
+    assert res[0]["losses"] == ref["losses"]
+    assert all(torch.equal(res[0]["master"][k], ref["master"][k]) for k in ref["master"])
+
+
+def test_a_sharded_checkpoint_of_resident_units_resumes_bit_for_bit(tmp_path):
+    """2 ranks with a device unit (stepping its shard, all-gathering its slot) and a weights unit (its shard
+    loaded once a step), one micro-batch each and no clipping, train bit for bit as eager training (so as the
+    2-rank streamed run); they save a sharded checkpoint (the device unit's shard through its mirror) and resume
+    it in a fresh store and engine: every rank's state after the next step is the uninterrupted run's bit for bit.
+    An evaluation between the steps sees the weights the next step's loss does."""
+    config, train = config_of(n_layers=2), _train(2, None)
+    batches = global_batches(config, train, 3)
+    res = run_ranks("dist_workers:resident_resume", 2, tmp_path, config=config, train=train, budget=6 * MIB,
+                    batches=batches, resident=RESIDENT, ckpt=str(tmp_path / "ckpt"))
+    model, losses = _eager(config, train, batches)
+    _assert_trained_alike(res[0], model, losses, bit_exact=True)
+    assert res[0]["val"] == pytest.approx(losses[-1], rel=1e-5)  # the evaluation reads the gathered weights
+    for r in res:
+        assert r["resident"] == RESIDENT
+        assert r["whole"].keys() == r["resumed"].keys()
+        for k, t in r["whole"].items():
+            assert torch.equal(r["resumed"][k], t), f"{k} differs after the resume"
+        assert all(torch.equal(r["resumed_master"][k], t) for k, t in r["master"].items())
 
 
 def _case(case: str) -> tuple[dict, int]:

@@ -115,7 +115,7 @@ def test_each_stream_worker_runs_with_its_budgeted_intra_op_threads(monkeypatch)
         for s in STREAMS:
             dev.submit(s, lambda s=s: seen.__setitem__(s, torch.get_num_threads()), "threads")
         dev.synchronize()
-    assert seen == budget.threads
+    assert seen == {**budget.threads, "disk": 1}  # checkpoint writes: one thread where the budget names none
 
 
 def test_starting_a_device_leaves_the_callers_and_new_threads_intra_op_count_alone():

@@ -1,8 +1,8 @@
 """A real kill test: `megatrain train` subprocesses killed with SIGKILL, resumed, bit-identical at the end.
 
 One run is killed during step 5, inside the host optimizer, after the head has stepped and before the other
-units have (so the weights in memory are half updated); another is killed while writing checkpoint 4, after
-its first file. Each resumes (`--resume DIR`) from the last complete checkpoint and ends with a step-6
+units have (so the weights in memory are half updated; step 5 writes checkpoint 4 while it trains, which may or
+may not be sealed by then); another is killed while writing checkpoint 4, after its first file. Each resumes (`--resume DIR`) from the last complete checkpoint and ends with a step-6
 checkpoint whose every tensor, and so every file's sha256, equals an uninterrupted run's.
 
 The kill points come from MEGATRAIN_TEST_PAUSE_AT, which paused_train.py (megatrain train with a pause installed)
@@ -101,16 +101,17 @@ def test_sigkill_mid_step_and_mid_checkpoint_then_resume_is_bit_identical(token_
             Run(argv(token_file, mid_save), tmp_path, pause="checkpoint:4"),
             Run(argv(token_file, ref), tmp_path)]  # the uninterrupted run, a fresh process like the others
     runs[0].kill_at("paused at optimizer:5 after head")
-    runs[1].kill_at("paused at checkpoint:4 after embed.safetensors")
+    runs[1].kill_at("paused at checkpoint:4 after ")  # written while step 5 trains: the head's file is first
     runs[2].finish()
 
-    assert [s for s, _ in step_dirs(mid_step)] == [2, 4]  # killed in step 5: checkpoint 4 is the last whole one
+    kept = [s for s, _ in step_dirs(mid_step)]  # killed in step 5, which writes checkpoint 4 while it trains
+    assert kept in ([2, 4], [2])  # so 4 is whole if its seal came before the kill, else 2 is the last
     assert [s for s, _ in step_dirs(mid_save)] == [2]  # killed writing 4: only its temporary folder exists
     assert [p.name for p in mid_save.iterdir() if p.name.startswith(".step-00000004.tmp-")]
 
     resumed = [Run(argv(token_file, ck, "--resume", str(ck)), tmp_path) for ck in (mid_step, mid_save)]
     outs = [r.finish() for r in resumed]
-    assert "resumed from" in outs[0] and "step-00000004 at step 4 of 6" in outs[0]
+    assert "resumed from" in outs[0] and f"step-0000000{kept[-1]} at step {kept[-1]} of 6" in outs[0]
     assert "step-00000002 at step 2 of 6" in outs[1]
     assert not [p for p in mid_save.iterdir() if p.name.startswith(".step")]  # the dead save's temporary is gone
 

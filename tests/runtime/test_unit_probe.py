@@ -32,6 +32,9 @@ def test_probe_measures_every_template_and_trainer_uses_the_cache(profiles):
     for t in prof.units.values():
         assert min(t.forward_s, t.forward_graph_s, t.backward_s, t.recompute_backward_s, t.load_s, t.store_s) > 0
         assert t.optimizer_s["exact"] > 0 and t.n_params > 0
+        assert t.device_step_s["exact"] > 0 and t.store_norms_s > 0  # as a unit whose state lives on the device
+    costs = CostModel(ir, hw, "exact")
+    assert costs.dstep == [prof.units[u.template].device_step_s["exact"] for u in ir.units]
     assert prof.dispatch_s > 0 and prof.step_gap_s >= 0
     assert cached_hardware(ir, "sim", probe_threads("sim")) == hw
     assert cached_hardware(ir, "sim", {"compute": 99}) is None  # another thread setting: another key
