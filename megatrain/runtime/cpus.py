@@ -8,13 +8,14 @@ into the staging ring) takes every core, and they compete with the threads that 
 autograd. Run its tests: `.venv/bin/pytest tests/runtime/test_gpu_readiness.py -k cpu`.
 
 - cuda: the compute, d2h and comm workers only issue GPU work (1 thread each), the h2d worker casts chunks (2
-  threads on 8 cores or more, else 1), the main thread keeps a core, and the host optimizer takes the rest.
+  threads on 8 cores or more, else 1), the main thread keeps a core, and the host optimizer takes the rest;
+  the disk worker (streamed checkpoint writes: hashing and file I/O, no parallel torch op) has one, beside them.
   When the GPU's NUMA node is known (sysfs: its PCI address's `numa_node`), the process is bound to that node's
   cores first, so the optimizer's threads and the pinned memory they touch first sit beside the GPU's link.
   `MEGATRAIN_NUMA_BIND=0` turns the binding off; `MEGATRAIN_HOST_THREADS=N` sets the optimizer's threads.
 - sim: the compute worker is the "GPU" and computes with the intra-op threads the constructing thread has (so
   the streamed run reduces as the eager reference on that thread does, bit for bit); the host optimizer takes
-  half of them; the copy workers and a world's comm worker (gloo) one each.
+  half of them; the copy workers, the disk worker and a world's comm worker (gloo) one each.
 
 `torch.set_num_threads` also sets the process-wide count that threads initialise from lazily, so the device
 waits for its workers to set theirs and then restores the constructing thread's (device.py `_start_workers`).
@@ -97,9 +98,9 @@ def thread_budget(kind: str, n_cores: int, host_threads: int | None = None) -> d
     n = max(1, n_cores)
     if kind == "cuda":
         h2d = 2 if n >= 8 else 1
-        threads = {"compute": 1, "h2d": h2d, "d2h": 1, "comm": 1, "host": max(1, n - 3 - h2d)}
+        threads = {"compute": 1, "h2d": h2d, "d2h": 1, "comm": 1, "disk": 1, "host": max(1, n - 3 - h2d)}
     else:
-        threads = {"compute": n, "h2d": 1, "d2h": 1, "comm": 1, "host": max(1, n // 2)}
+        threads = {"compute": n, "h2d": 1, "d2h": 1, "comm": 1, "disk": 1, "host": max(1, n // 2)}
     if host_threads is not None:
         threads["host"] = host_threads
     return threads

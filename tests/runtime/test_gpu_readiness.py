@@ -95,9 +95,9 @@ def test_the_largest_cache_from_sysfs(tmp_path):
     assert largest_cache_bytes(tmp_path) == 1 << 30
 
 
-@pytest.mark.parametrize("cores, want", [(16, {"compute": 1, "h2d": 2, "d2h": 1, "comm": 1, "host": 11}),
-                                         (4, {"compute": 1, "h2d": 1, "d2h": 1, "comm": 1, "host": 1}),
-                                         (2, {"compute": 1, "h2d": 1, "d2h": 1, "comm": 1, "host": 1})])
+@pytest.mark.parametrize("cores, want", [(16, {"compute": 1, "h2d": 2, "d2h": 1, "comm": 1, "disk": 1, "host": 11}),
+                                         (4, {"compute": 1, "h2d": 1, "d2h": 1, "comm": 1, "disk": 1, "host": 1}),
+                                         (2, {"compute": 1, "h2d": 1, "d2h": 1, "comm": 1, "disk": 1, "host": 1})])
 def test_on_a_gpu_the_host_optimizer_gets_the_cores_the_issuing_threads_leave(cores, want):
     from megatrain.runtime.cpus import thread_budget
 
@@ -109,7 +109,7 @@ def test_each_stream_worker_runs_with_its_budgeted_intra_op_threads(monkeypatch)
     from megatrain.runtime.cpus import CpuBudget
     from megatrain.runtime.stream_device import STREAMS, SimDevice
 
-    budget = CpuBudget(cores=(0, 1), threads={"compute": 2, "h2d": 1, "d2h": 1, "comm": 1, "host": 1})
+    budget = CpuBudget(cores=(0, 1), threads={"compute": 2, "h2d": 1, "d2h": 1, "comm": 1, "disk": 1, "host": 1})
     seen = {}
     with SimDevice(cpu=budget) as dev:
         for s in STREAMS:
