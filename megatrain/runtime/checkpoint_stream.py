@@ -193,12 +193,7 @@ class CheckpointStream:
                              (f"{u.name}.safetensors", *(sharded_checkpoint.SHARD_FILE.format(unit=u.name, rank=r)
                                                          for r in range(comm.size)))}
                     files.update(sorted(theirs.items(), key=lambda kv: order[kv[0]]))
-                body = {"step": job.step, **job.meta, "host_policy": store.policy.name,
-                        "units": sharded_checkpoint.logical_units(ir),
-                        "world": sharded_checkpoint.world_entry(ir, store, comm)}
-                for d in body["units"]:
-                    if d["name"] in store.sharded:
-                        d["file"] = sharded_checkpoint.SHARD_FILE.format(unit=d["name"], rank=0)
+                body = sharded_checkpoint.manifest_body(job.step, job.meta, ir, store, comm)
                 checkpoint.finish_save(job.root, job.final, job.tmp, body, files, job.rng, job.extra, job.keep)
                 job.sealed = job.final
             sealed = comm.gather_objects(job.sealed is not None, group="disk", what="the checkpoint's seal")[0]

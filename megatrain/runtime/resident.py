@@ -123,11 +123,7 @@ class Resident:
                 if ds.master is not ds.slot:
                     ds.slot.copy_(ds.master)  # the compute dtype's rounding of the master, torch's
 
-        if self.device.closed:
-            self._drained(run)
-        else:
-            self.device.submit("compute", run, "upload_resident()")
-            self.device.synchronize("compute")
+        self._drained("compute", run, "upload_resident()")
         if self.program.world_size > 1:  # each rank uploaded its shard of the weights: gather the others'
             self._gather_resident()
         self._mirror_stale = False
@@ -139,11 +135,7 @@ class Resident:
             for ds in self.dstate.values():
                 self.comm.all_gather_shards(ds.whole_slot, f"all_gather({ds.unit}) after its upload")
 
-        if self.device.closed:
-            self._drained(run)
-        else:
-            self.device.submit("comm", run, "upload_resident() all_gather")
-            self.device.synchronize("comm")
+        self._drained("comm", run, "upload_resident() all_gather")
 
     def download_resident(self) -> None:
         """Every device unit's state into the host store's mirror (the device's compute stream drained)."""
@@ -151,14 +143,16 @@ class Resident:
             for unit in self.dstate:
                 self.pull_unit_state(unit)
 
-        if self.device.closed:  # its streams have ended: copy on this thread (what a test reads after the run)
-            self._drained(run)
-        else:
-            self.device.submit("compute", run, "download_resident()")
-            self.device.synchronize("compute")
+        self._drained("compute", run, "download_resident()")
         self._device_newer = False
 
-    def _drained(self, fn) -> None:
+    def _drained(self, stream: str, fn, label: str) -> None:
+        """`fn` in `stream`'s order, then that stream drained; on a closed device (its streams have ended: what a
+        test reads after the run) on this thread, between device synchronisations."""
+        if not self.device.closed:
+            self.device.submit(stream, fn, label)
+            self.device.synchronize(stream)
+            return
         if self.device.kind == "cuda":
             torch.cuda.synchronize(self.device.torch_device)
         fn()

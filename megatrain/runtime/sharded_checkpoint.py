@@ -83,12 +83,8 @@ def save(root, step: int, store, meta: dict, comm, rng: dict | None = None, keep
         if comm.rank == 0:
             for theirs in every:
                 files.update(theirs)
-            body = {"step": step, **meta, "host_policy": store.policy.name, "units": logical_units(ir),
-                    "world": world_entry(ir, store, comm)}
-            for d in body["units"]:
-                if d["name"] in store.sharded:
-                    d["file"] = SHARD_FILE.format(unit=d["name"], rank=0)
-            checkpoint.finish_save(root, final, tmp, body, files, rng, extra, keep)
+            checkpoint.finish_save(root, final, tmp, manifest_body(step, meta, ir, store, comm), files, rng, extra,
+                                   keep)
     except BaseException:
         if comm.rank == 0:
             import shutil
@@ -97,6 +93,18 @@ def save(root, step: int, store, meta: dict, comm, rng: dict | None = None, keep
         raise
     comm.barrier("the checkpoint's manifest")
     return final
+
+
+def manifest_body(step: int, meta: dict, ir, store, comm) -> dict:
+    """The manifest of a sharded checkpoint at `step` before its files' records (checkpoint.finish_save adds
+    them): every logical unit, a sharded one named by its rank-0 shard file, and the world's layout. The
+    synchronous save and the checkpointing step's seal (checkpoint_stream.py) both write this."""
+    body = {"step": step, **meta, "host_policy": store.policy.name, "units": logical_units(ir),
+            "world": world_entry(ir, store, comm)}
+    for d in body["units"]:
+        if d["name"] in store.sharded:
+            d["file"] = SHARD_FILE.format(unit=d["name"], rank=0)
+    return body
 
 
 def world_entry(ir, store, comm) -> dict:
