@@ -432,9 +432,17 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return t.untyped_storage().data_ptr() if t.layout == torch.strided else -1
 
 
+# in-place by name, yet no kernel touches the data: autograd flags and in-place view changes (a forward's
+# requires_grad_ on a slot's parameter views must not count as a write racing a copy that reads the slot)
+_NO_DATA = {"requires_grad_", "retain_grad", "detach_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_",
+            "swapaxes_", "as_strided_"}
+
+
 def _metadata(func, out, inputs) -> bool:
     """Whether a call reads no data: an attribute that is not a tensor, or a view of an input (no kernel)."""
     name = getattr(func, "__name__", "")
+    if name in _NO_DATA:
+        return True
     if (name == "__get__" or name.startswith("is_") and name != "is_nonzero") and not isinstance(out, torch.Tensor):
         return True  # an attribute or a layout question (is_contiguous): no kernel reads the data
     if isinstance(out, torch.Tensor) and not (name.endswith("_") and not name.endswith("__")):

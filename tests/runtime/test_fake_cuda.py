@@ -45,6 +45,22 @@ def test_a_read_on_another_stream_needs_an_event_wait():
     torch.cuda.current_stream().wait_stream(side)  # before `a` is freed: its memory goes back to this stream
 
 
+def test_calls_that_touch_no_data_are_no_accesses():
+    """requires_grad_ and in-place view changes run no kernel: a copy reading the memory on another stream
+    meanwhile is no race (a streamed checkpoint pulls a device unit while the forward flags its parameters)."""
+    a = torch.ones(1024, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    a[:128].requires_grad_()
+    a.unsqueeze_(0).squeeze_(0)
+    with torch.cuda.stream(side):
+        assert float(a.sum().cpu()) == 1024.0
+    a.mul_(2)  # a real write still needs the wait
+    with pytest.raises(fake_cuda.ProtocolError, match="does not know of"), torch.cuda.stream(side):
+        a.sum()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def test_host_memory_reused_only_after_the_copy_that_reads_it():
     stage = torch.empty(1024, pin_memory=True)
     assert stage.is_pinned()
