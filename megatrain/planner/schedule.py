@@ -359,11 +359,11 @@ def lower_ops(ir: ModelIR, order: Order, placement: tuple[Placement, ...], clip:
                 ops.append(Op("offload_act", "d2h", buffer=buf, reads=(buf,), writes=(f"host:{buf}",)))
             if rep[i] and place[i] == "host":  # the record leaves with the checkpoint
                 buf = attn(u.name, mb)
-                if compute_only:
-                    ops.append(Op("free", "compute", buffer=buf))
-                else:
+                if not compute_only:
                     ops.append(Op("offload_act", "d2h", buffer=buf, reads=(buf,), writes=(f"host:{buf}",)))
-                    deferred.append(Op("free", "compute", buffer=buf))
+                # NOTE: deferred in the compute-only lowering too: the placement search's exact timeline must
+                # hold the record through the next forward as the program does, or it accepts plans over budget
+                deferred.append(Op("free", "compute", buffer=buf))
             if u.carry_in and place[i] in ("host", "rebuild"):
                 ops.append(Op("free", "compute", buffer=carry(u.name, mb)))
         if i not in order.resident and fwd_queue.get(slot[i]):

@@ -96,8 +96,9 @@ def test_units_that_cannot_replay_are_never_planned_to():
 def test_an_offloaded_record_is_freed_a_forward_later(compute_only):
     """Freeing a record waits for its copy to the host, which leaves just after the forward that made it: the
     compute stream frees it after the next forward instead, so it never idles on that copy (on the 2-core sim
-    device the copy often started a millisecond late, its core taken by the next unit's load). Without
-    offloads (a compute-only program) there is no copy to wait for and the record goes at once."""
+    device the copy often started a millisecond late, its core taken by the next unit's load). The compute-only
+    lowering (the placement search's model of the program's memory, placement.exact_timeline) frees it at the
+    same point, or the search would accept plans the program breaks."""
     ir = trace(preset("tiny"), 2, 64, "fp32", target="cpu")
     host = tuple("host" if u.carry_in else "device" for u in ir.units)
     replay = tuple(bool(u.replay) for u in ir.units)
@@ -111,4 +112,27 @@ def test_an_offloaded_record_is_freed_a_forward_later(compute_only):
     for k in frees:
         made = max(j for j in range(k) if compute[j].op == "forward" and compute[k].buffer in compute[j].writes)
         between = sum(o.op == "forward" for o in compute[made + 1:k])
-        assert between == (0 if compute_only else 1), compute[k].buffer
+        assert between == 1, compute[k].buffer
+
+
+def test_the_search_counts_an_offloaded_record_through_the_next_forward_as_the_program_does():
+    """An offloaded attention record is freed after the next forward (its copy leaves behind the forward that
+    made it). The placement search's timeline once freed it at once: tiny at 4 x 1024 tokens, fp32, 64 MiB
+    planned a program 36,940 bytes over its budget, which the verify pass then refused (ScheduleError). Every
+    budget here either plans within it or is refused as infeasible, and the plan's peak is its program's."""
+    from megatrain.planner import InfeasiblePlanError, check
+    from megatrain.planner.timeline import program_timeline
+
+    ir = trace(preset("tiny"), 4, 1024, "fp32", target="cpu")
+    train = TrainSpec(micro_batch=4, seq_len=1024, dtype="fp32")
+    planned = 0
+    for mib in (48, 56, 60, 62, 64, 66, 72):
+        try:
+            p = plan(ir, "cpu", train, mib * 2**20)
+        except InfeasiblePlanError:
+            continue
+        planned += 1
+        assert any(u.replay and u.placement == "host" for u in p.units)  # the case: records leave with checkpoints
+        assert program_timeline(p.program).peak == p.peak_device_bytes <= mib * 2**20
+        assert check(p.program, ir=p.ir, budget_bytes=p.gpu_budget_bytes, hardware=p.hardware) == []
+    assert planned >= 4
