@@ -85,8 +85,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     r.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto", help="what to measure (default auto)")
     r.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (seconds, less precise)")
     r.add_argument("--checkpoint-dir", metavar="DIR", type=input_path,
-                   help="measure checkpoint writes (write + fsync of a temporary file) in this folder, where a "
-                   "run will write its checkpoints (default: the temporary folder)")
+                   help="measure checkpoint writes and reads (write + fsync of a temporary file, read back with "
+                   "its sha256) in this folder, where a run will write its checkpoints (default: the temporary folder)")
     r.add_argument("--model", type=input_path, help="also measure this model's units (a preset or config file)")
     r.add_argument("--seq-len", type=int, default=None, help="with --model: tokens per sequence (required)")
     r.add_argument("--micro-batch", type=int, default=1, help="with --model: sequences per micro-batch (default 1)")
@@ -200,14 +200,31 @@ def _checkpoint_cost(result, every: int) -> dict:
     summary: its figures, and the lines the table prints (a refusal's one line where there is no price)."""
     from megatrain.planner.checkpoint_writes import CheckpointPlanError, checkpoint_cost
 
+    resume = _resume_cost(result)
     try:
         cost = checkpoint_cost(result)
     except CheckpointPlanError as e:
-        return {"every": every, "streamed": False, "reason": str(e), "lines": [f"checkpoint: {e}"]}
+        return {"every": every, "streamed": False, "reason": str(e), "lines": [f"checkpoint: {e}", resume["line"]],
+                "resume": resume}
     return {"every": every, "streamed": True, "bytes": cost.bytes, "write_s": cost.write_s,
             "disk_bytes_per_s": cost.disk_bytes_per_s, "step_time_s": cost.step_s,
             "checkpoint_step_time_s": cost.checkpoint_step_s, "extra_s": cost.extra_s,
-            "per_step_s": cost.per_step_s(every), "warning": cost.check(every), "lines": cost.lines(every)}
+            "per_step_s": cost.per_step_s(every), "warning": cost.check(every),
+            "lines": [*cost.lines(every), resume["line"]], "resume": resume}
+
+
+def _resume_cost(result) -> dict:
+    """What a resume from one of those checkpoints costs its first step (planner/checkpoint_reads.py): read
+    while the step trains, or (a world) before it."""
+    from megatrain.planner.checkpoint_reads import ResumePlanError, resume_cost
+
+    try:
+        cost = resume_cost(result)
+    except ResumePlanError as e:
+        return {"streamed": False, "reason": str(e), "line": f"resume: the checkpoint is read before the first step: {e}"}
+    return {"streamed": True, "bytes": cost.bytes, "before_bytes": cost.before_bytes, "read_s": cost.read_s,
+            "disk_bytes_per_s": cost.disk_bytes_per_s, "first_step_s": cost.streamed_s,
+            "first_step_synchronous_s": cost.synchronous_s, "line": cost.line()}
 
 
 def run_tune(args: argparse.Namespace) -> int:

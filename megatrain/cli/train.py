@@ -297,7 +297,7 @@ def _run_train(cfg, run_file: str | None, comm=None) -> int:
                 say(f"note: {UNVERIFIED_NCCL}")
         say(f"{p.ir.model}: {p.ir.params_total:,} params streamed through a {trainer.device.kind} device with "
               f"a {format_bytes(cfg.gpu_mem)} budget ({p.n_slots} parameter slot(s); planned device peak "
-              f"{format_bytes(trainer.planned_peak_device_bytes)}; host {format_bytes(trainer.store.host_bytes())} "
+              f"{format_bytes(trainer.planned_peak_device_bytes)}; host {format_bytes(trainer.host_bytes())} "
               f"under host policy {p.host_policy})"
               + (f"; units tiled in chunks of {p.ir.chunk_tokens:,} tokens" if p.ir.chunk_tokens else "")
               + (f"; {len(p.resident_units)} unit(s) keep their state on the device ({p.resident_units[0]} .. "

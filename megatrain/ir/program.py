@@ -41,6 +41,7 @@ OpName = Literal[
     "all_reduce",
     "save_state",
     "seal_checkpoint",
+    "load_state",
     "record",
     "wait",
     "free",
@@ -72,6 +73,8 @@ OP_STREAMS: dict[str, tuple[str, ...]] = {
     # holds back neither the optimizer nor the copies
     "save_state": ("disk",),
     "seal_checkpoint": ("disk",),
+    # a resumed run's first step reads the checkpoint on the same thread (planner/checkpoint_reads.py)
+    "load_state": ("disk",),
     "record": ("compute", "h2d", "d2h", "host", "comm", "disk"),
     "wait": ("compute", "h2d", "d2h", "host", "comm", "disk"),
     "free": ("compute",),
@@ -128,6 +131,7 @@ OPERANDS: dict[str, tuple[str, ...]] = {
     "all_reduce": ("unit", "grad_slot"),
     "save_state": ("unit",),
     "seal_checkpoint": (),
+    "load_state": ("unit",),
     "record": ("event",),
     "wait": ("event",),
     "free": ("buffer",),

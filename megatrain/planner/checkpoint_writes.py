@@ -146,6 +146,8 @@ class CheckpointCost:
     checkpoint_step_s: float  # the predicted step of the checkpointing program, every step one
     disk_bytes_per_s: float
     every: int | None = None
+    ranks: int = 1  # in a world: `bytes` are rank 0's files, the most any rank writes,
+    node_ranks: int = 1  # through the disk its node's ranks share
 
     @property
     def extra_s(self) -> float:
@@ -158,8 +160,10 @@ class CheckpointCost:
     def lines(self, every: int | None = None) -> list[str]:
         from .bytesize import format_bytes
 
-        out = [f"checkpoint: {format_bytes(self.bytes)} written at {self.disk_bytes_per_s / 1e9:.3g} GB/s (the "
-               f"hardware's disk_write_bytes_per_s) in {self.write_s:.3g} s while training goes on; the checkpointing "
+        whose = f" on rank 0 of {self.ranks} (its shards and the replicated units)" if self.ranks > 1 else ""
+        shared = f", shared by a node's {self.node_ranks} ranks" if self.node_ranks > 1 else ""
+        out = [f"checkpoint: {format_bytes(self.bytes)}{whose} written at {self.disk_bytes_per_s / 1e9:.3g} GB/s (the "
+               f"hardware's disk_write_bytes_per_s{shared}) in {self.write_s:.3g} s while training goes on; the checkpointing "
                f"step takes {self.checkpoint_step_s:.4g} s against {self.step_s:.4g} s, +{self.extra_s:.4g} s per "
                "checkpoint"]
         if every:
@@ -197,4 +201,5 @@ def checkpoint_cost(plan) -> CheckpointCost:
                 if ins.op in ("save_state", "seal_checkpoint"))
     nbytes = sum(costs.save_bytes[costs.index[ins.unit]] for ins in ck.instrs if ins.op == "save_state")
     return CheckpointCost(bytes=nbytes, write_s=write, step_s=plain.step_time_s,
-                          checkpoint_step_s=with_writes.step_time_s, disk_bytes_per_s=plan.hardware.disk_write_bytes_per_s)
+                          checkpoint_step_s=with_writes.step_time_s, disk_bytes_per_s=plan.hardware.disk_write_bytes_per_s,
+                          ranks=plan.world.nproc, node_ranks=plan.world.ranks_per_node)

@@ -38,6 +38,8 @@ contention (set intra_node_bytes_per_s to what a probe of both at once measures)
 
 from __future__ import annotations
 
+import math
+
 from megatrain.ir.base import dtype_bytes
 from megatrain.ir.model_ir import ModelIR
 
@@ -150,6 +152,13 @@ class WorldCostModel(CostModel):
                        for u in ir.units]
         self.clip += hw.collective_latency_s  # the squared norms' all-reduce: a few bytes
         self.dstep = [d * f for d, f in zip(self.dstep, frac)]  # a device unit steps the rank's shard
+        # a checkpoint's files (runtime/checkpoint_stream.py): each rank writes its shard of a sharded unit and
+        # rank 0 a replicated unit's whole file (priced: the rank that writes the most); a node's ranks write
+        # (and a resume reads) through the node's one disk at once
+        L = world.ranks_per_node
+        self.save_bytes = [math.ceil(b * f) for b, f in zip(self.save_bytes, frac)]
+        self.save = [b * L / hw.disk_write_bytes_per_s + hw.disk_file_latency_s for b in self.save_bytes]
+        self.read = [b * L / hw.disk_read_bytes_per_s + hw.disk_file_latency_s for b in self.save_bytes]
 
     def op_seconds(self, ins, sizes: dict[str, int] | None = None, warm: bool = False) -> float:
         if ins.op == "all_gather":

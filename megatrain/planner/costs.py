@@ -30,6 +30,8 @@ model both price ops here, so they agree on every figure. Try it:
 - save_state (a checkpointing step's, checkpoint_writes.py): the unit file's bytes / the disk's write bandwidth
   + a write + fsync's fixed cost (`disk_write_bytes_per_s`, `disk_file_latency_s`); seal_checkpoint: three of
   those fixed costs (the RNG state, the manifest, the renamed folder).
+- load_state (a resumed run's first step, checkpoint_reads.py): the unit file's bytes / the disk's read bandwidth
+  (`disk_read_bytes_per_s`) + one file's fixed cost.
 - device_step (a unit whose state lives on the device, issue 40): parameters x the bytes the AdamW step moves
   in device memory (`device_step_bytes`: master read + write, the fp32 gradient read, both moments read +
   written in the policy's dtype, and with a bf16 compute dtype the slot's bf16 weights written) / the
@@ -138,6 +140,8 @@ class CostModel:
         self.save_bytes = [unit_file_bytes(u, self.policy) for u in ir.units]
         self.save = [b / hw.disk_write_bytes_per_s + hw.disk_file_latency_s for b in self.save_bytes]
         self.seal = 3 * hw.disk_file_latency_s
+        # a resumed run's first step reads them (checkpoint_reads.py): each file at the disk's read rate, one open
+        self.read = [b / hw.disk_read_bytes_per_s + hw.disk_file_latency_s for b in self.save_bytes]
         dev_rate = hw.device_memory_bytes_per_s or hw.host_memory_bytes_per_s
         self.dstep = [u.n_params * device_step_bytes(self.policy, ir.dtype) / dev_rate
                       + len(u.params) * hw.op_overhead_s for u in ir.units]
@@ -240,6 +244,8 @@ class CostModel:
             return self.save[self.index[ins.unit]]
         if op == "seal_checkpoint":
             return self.seal
+        if op == "load_state":
+            return self.read[self.index[ins.unit]]
         return 0.0
 
     @staticmethod

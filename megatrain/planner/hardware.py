@@ -53,6 +53,9 @@ SERVER_TOUCH = {"host_touch_bytes_per_s": 40e9, "host_init_params_per_s": 4e9}
 # drive's sustained sequential write with fsync, at the low end of what such drives state (2-7 GB/s), and a
 # file's fsync on a drive without power-loss protection; `megatrain probe --checkpoint-dir DIR` measures the folder a run writes to.
 DISK_WRITE_BYTES_PER_S = 2e9
+# Checkpoint reads (a resume streamed into its first step, planner/checkpoint_reads.py): the write figure, not
+# measured either; such drives state higher sequential reads than writes, so a resume is priced on the slow side.
+DISK_READ_BYTES_PER_S = 2e9
 DISK_FILE_LATENCY_S = 1e-3
 MATMUL_EFFICIENCY = 0.75
 LINK_EFFICIENCY = 0.85
@@ -136,6 +139,10 @@ class Hardware(IRModel):
     disk_write_bytes_per_s: float = Field(
         DISK_WRITE_BYTES_PER_S, gt=0, description="bytes/s a checkpoint's files are written and fsynced at, in "
         "the checkpoint folder (`megatrain probe --checkpoint-dir DIR` measures it; presets assume one NVMe drive)")
+    disk_read_bytes_per_s: float = Field(
+        DISK_READ_BYTES_PER_S, gt=0, description="bytes/s a checkpoint's files are read and hashed at when a run "
+        "resumes (the first step streams them in, planner/checkpoint_reads.py; `megatrain probe --checkpoint-dir DIR` "
+        "measures it; presets assume the write rate)")
     disk_file_latency_s: float = Field(DISK_FILE_LATENCY_S, ge=0, description="fixed cost of writing and fsyncing "
                                        "one checkpoint file")
     host_sockets: int = Field(1, ge=1, le=64, description="CPU sockets of a node: ranks on different sockets "

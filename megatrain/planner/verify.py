@@ -30,6 +30,8 @@ step boundary are checked too. What it checks:
   kind (reduce_scatter, all_reduce) its shard flags say;
 - a checkpointing step's writes (checkpoint_writes.py `check_writes`): one save_state per stepped unit, after
   the previous step's optimizer_step of the unit and before this step's, and one seal_checkpoint after them.
+- a resumed run's first step's reads (checkpoint_reads.py `check_reads`): one load_state per unit whose state lives
+  on the host, before every instruction that reads or writes that state.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import SOURCE_OF, Instr, Program
 
 from .cast import check as check_cast
+from .checkpoint_reads import check_reads
 from .checkpoint_writes import check_writes
 from .collectives import check_collectives
 from .errors import ScheduleError
@@ -112,6 +115,7 @@ def check(program: Program, *, ir: ModelIR | None = None, budget_bytes: int | No
     problems += _check_host_grads(instrs, hb, ir, program.world_size)
     problems += check_collectives(program, hb, _at)
     problems += check_writes(program, hb, _at)
+    problems += check_reads(program, hb, _at, ir)
     problems += _check_order(instrs, program.n_micro_batches, ir)
     problems += _check_modes(instrs)
     if ir is not None:

@@ -401,8 +401,32 @@ def load_checkpoint(ckpt: Path, manifest: dict, store) -> dict[str, torch.Tensor
     return _read_state(ckpt, files, fix)
 
 
-def _read_checked(ckpt: Path, name: str, files: dict, targets: dict[str, torch.Tensor], fix: str,
-                  exact: bool = True) -> None:
+def open_streamed(ckpt: Path, manifest: dict, store) -> tuple[str, dict[str, torch.Tensor]]:
+    """Before a resume's first step reads the unit files while it trains (checkpoint_stream.py `load_state`):
+    what `load_checkpoint` checks besides the files' contents, so only a flipped byte or an I/O error is left
+    for the step to find: the policy and layout, every unit file listed, there at its size, its header sound
+    and holding the unit's tensors. Returns (the errors' fix, the RNG states)."""
+    check_policy(manifest, store.policy.name, ckpt)
+    check_layout(manifest, store, ckpt)
+    fix = _earlier(ckpt)
+    files = manifest["files"]
+    for unit in manifest["units"]:
+        want = store.state_views(unit["name"])  # names only: nothing is read or written yet
+        _open_checked(ckpt, unit["file"], files, want, fix).close()
+    return fix, _read_state(ckpt, files, fix)
+
+
+def read_unit(ckpt: Path, name: str, files: dict, targets: dict[str, torch.Tensor], fix: str) -> None:
+    """One unit file `name` into the store's views `targets` (HostStore.state_tensors), its sha256 checked as it
+    is read; an I/O error becomes the file's one-line CheckpointError."""
+    try:
+        _read_checked(ckpt, name, files, targets, fix)
+    except OSError as e:
+        raise CheckpointError(f"{ckpt / name}: cannot be read: {e.strerror or e}; {fix}") from None
+
+
+def _open_checked(ckpt: Path, name: str, files: dict, targets: dict[str, torch.Tensor], fix: str,
+                  exact: bool = True) -> SafetensorsFile:
     if name not in files:
         raise CheckpointError(f"{ckpt / MANIFEST}: lists no size and sha256 for {name}; the manifest is "
                               f"incomplete; {fix}")
@@ -413,7 +437,12 @@ def _read_checked(ckpt: Path, name: str, files: dict, targets: dict[str, torch.T
         sf.close()
         sf.fail(f"holds other tensors than expected ({'missing ' + missing[0] if missing else 'extra ' + extra[0]}"
                 f"{' ...' if len(missing) + len(extra) > 1 else ''})")
-    sf.read(targets)
+    return sf
+
+
+def _read_checked(ckpt: Path, name: str, files: dict, targets: dict[str, torch.Tensor], fix: str,
+                  exact: bool = True) -> None:
+    _open_checked(ckpt, name, files, targets, fix, exact).read(targets)
 
 
 def _read_state(ckpt: Path, files: dict, fix: str) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""A checkpointing step's writes on the disk stream: the engine's `save_state` and `seal_checkpoint`.
+"""The disk stream's checkpoint ops: a checkpointing step's writes (`save_state`, `seal_checkpoint`) and a resumed
+run's first step's reads (`load_state`).
 
 Where it sits: mixed into the Engine (engine.py). The planner's checkpointing step (planner/
 checkpoint_writes.py) is the step program plus, on the `disk` stream, one `save_state(u)` per unit after the
@@ -18,6 +19,12 @@ In a world (a ShardedHostStore, sharded_checkpoint.py's format) every rank write
 temporary folder, rank 0 the replicated units' whole files; the seal gathers every rank's file records and
 verdict through the communicator's `disk` group (its own, so the gathers never interleave with the step's
 collectives), and rank 0 seals only if every rank wrote all its files: whole or absent, as a synchronous one.
+
+A resumed run's first step (planner/checkpoint_reads.py) reads the checkpoint the Trainer handed to
+`read_checkpoint` (a `Loading`: its folder, file records and unit files, checked before the step) with one
+`load_state(u)` per unit whose state lives on the host, each straight into the store's memory as the synchronous
+load does (`read_unit`); the program's waits keep every reader of u's state behind it. Unlike a write, a failed
+read fails the device: the step cannot go on without the state, and the Trainer raises the file's one-line error.
 """
 
 from __future__ import annotations
@@ -55,6 +62,21 @@ class Written:
     done: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass
+class Loading:
+    """The checkpoint a resumed run's first step reads (planner/checkpoint_reads.py): folder `ckpt`, its
+    manifest's file records `files` and unit files `unit_files` (unit -> file name), `fix` the error's advice
+    (the previous checkpoint). `loaded`: the units read so far, in order; `before_unit`: the tests' hook, called
+    on the disk stream with each unit's name before its file is read."""
+
+    ckpt: Path
+    files: dict
+    unit_files: dict
+    fix: str
+    loaded: list = field(default_factory=list)
+    before_unit: object = None
+
+
 class CheckpointStream:
     """The Engine's disk-stream ops. `write_checkpoint(job)` names the checkpoint the next checkpointing step
     writes; `take_faults()` drains the store's faults where a seal can still see them."""
@@ -82,6 +104,34 @@ class CheckpointStream:
         job = self._job("seal_checkpoint")
         self._written = None
         self._submit("disk", i, "seal_checkpoint()", lambda: self._seal(job))
+
+    # -- a resume's reads -----------------------------------------------------------------------------------------
+    _loading: Loading | None = None
+
+    def read_checkpoint(self, job: Loading | None) -> None:
+        """The checkpoint the next load_state instructions read (bound as they are issued; None: none)."""
+        self._loading = job
+
+    def load_state(self, i: int, unit: str) -> None:
+        job = self._loading
+        if job is None:
+            raise ValueError("load_state: no checkpoint to read; the Trainer names it (Engine.read_checkpoint) "
+                             "before it runs a resume step")
+        self._submit("disk", i, f"load_state({unit})", lambda: self.read_unit(job, unit))
+
+    def read_unit(self, job: Loading, unit: str, mirror: bool = False) -> None:
+        """`unit`'s file into the host store's memory, as the synchronous load reads it (checkpoint.py
+        `read_unit`: straight into the views, sha256 checked); the views mark the unit's masters changed (its
+        cast copy stale, its weight bound unknown: store.py `state_tensors`). On the disk stream `mirror` is
+        False: a unit streamed here lives on the host, and its reader waits for the load's record. A unit whose
+        state lives on the device is read with `mirror` before the first step, which then uploads it. An error
+        (a flipped byte, an I/O error) is raised: on the disk stream it fails the device, so no stream waits
+        for a load that never comes, and the Trainer raises it."""
+        if job.before_unit is not None:
+            job.before_unit(unit)
+        targets = self.store.state_tensors(unit, mirror=mirror)
+        checkpoint.read_unit(job.ckpt, job.unit_files[unit], job.files, targets, job.fix)
+        job.loaded.append(unit)
 
     # -- on the disk stream --------------------------------------------------------------------------------------
     def _job(self, op: str) -> Written:
@@ -128,13 +178,13 @@ class CheckpointStream:
 
     def _unit_file(self, unit: str):
         """(file name, state views) this rank writes for `unit`; (None, None) where another rank writes it."""
-        store = self.store  # read only, and no device sync from this thread: mirror=False
+        store = self.store  # views with no side effect and no device sync from this thread (the pull came first)
         if self.comm is None:
-            return f"{unit}.safetensors", store.state_tensors(unit, mirror=False)
+            return f"{unit}.safetensors", store.state_views(unit)
         if unit in store.sharded:
-            return sharded_checkpoint.SHARD_FILE.format(unit=unit, rank=self.comm.rank), store.shard_state(unit, mirror=False)
+            return sharded_checkpoint.SHARD_FILE.format(unit=unit, rank=self.comm.rank), store.shard_views(unit)
         if self.comm.rank == 0:
-            return f"{unit}.safetensors", store.state_tensors(unit, mirror=False)
+            return f"{unit}.safetensors", store.state_views(unit)
         return None, None
 
     def _begin_world(self, job: Written) -> None:

@@ -4,6 +4,8 @@ Where it sits: trainer.py holds one Checkpointer per run; the format is checkpoi
 for a world), described in docs/CHECKPOINTS.md. `resume=DIR` loads one and the run continues bit for bit:
 the data order is `Batcher.batch(step)` and the learning rate `lr_at(train, step)`, both functions of the
 step. One run writes into a checkpoint folder at a time: rank 0 holds its fcntl lock until `release()`.
+The unit files of a resume are read while its first step trains (`begin_resume`, planner/checkpoint_reads.py);
+a world's sharded checkpoint is read before it (`load`).
 """
 
 from __future__ import annotations
@@ -104,10 +106,53 @@ class Checkpointer:
             rng = sharded_checkpoint.load(self.resumed_from, manifest, store, self.comm)
         else:
             rng = checkpoint.load_checkpoint(self.resumed_from, manifest, store)
+        self._restore_rng(rng, device)
+
+    def _restore_rng(self, rng: dict, device) -> None:
         if "rng/torch_cpu" in rng:
             torch.set_rng_state(rng["rng/torch_cpu"])
         if "rng/cuda" in rng and device.kind == "cuda":
             torch.cuda.set_rng_state(rng["rng/cuda"], device.torch_device)
+
+    def begin_resume(self, manifest: dict, plan, engine, device, before_unit=None) -> tuple[object, object, str]:
+        """Resume from the checkpoint `check_resume` found, its unit files read while the first step trains
+        (planner/checkpoint_reads.py): (the compiled resume step, the `Loading` its reads take, ""). Here, before
+        the step, go the cheap parts: the manifest's checks, every unit file's size and header, the RNG states, and
+        the files of units whose state lives on the device (the step uploads them at its start). Where the plan
+        does not allow it (a data-parallel world's sharded checkpoint, resharded as it is read), the checkpoint is
+        read here, whole, as `load` does: (None, None, why). `before_unit`: the tests' hook (Loading)."""
+        from megatrain.codegen import emit, load
+        from megatrain.planner.checkpoint_reads import (
+            ResumePlanError,
+            check_resume_pair,
+            device_units,
+            resume_program,
+        )
+        from megatrain.planner.errors import ScheduleError
+        from megatrain.planner.verify import verify
+
+        from .checkpoint_stream import Loading
+
+        store = engine.store
+        try:
+            if self.comm is not None or manifest.get("world"):
+                raise ResumePlanError("a data-parallel world's checkpoint is sharded and resharded as it is read")
+            program = resume_program(plan.program, plan.ir)
+        except ResumePlanError as e:
+            self.load(manifest, store, device)
+            return None, None, f"the checkpoint was read before the first step: {e}"
+        problems = check_resume_pair(plan.program, program)
+        if problems:
+            raise ScheduleError(problems)
+        verify(program, ir=plan.ir)
+        ckpt = self.resumed_from
+        fix, rng = checkpoint.open_streamed(ckpt, manifest, store)
+        job = Loading(ckpt=ckpt, files=manifest["files"], unit_files={u["name"]: u["file"] for u in manifest["units"]},
+                      fix=fix, before_unit=before_unit)
+        for unit in device_units(plan.program):
+            engine.read_unit(job, unit, mirror=True)  # marks the mirror stale: the step's begin() uploads it
+        self._restore_rng(rng, device)
+        return load(emit(program, title="resume step", summary=[], passes=[])), job, ""
 
     # -- saves -------------------------------------------------------------------------------------------------
     def save(self, step: int, store, device, meta: dict, model_dir: Path | None) -> Path:
@@ -208,8 +253,8 @@ class Checkpointer:
         """The bytes of the unit files of one checkpoint (masters, moments and their scales, buffers), every
         rank's shards counted: a sharded unit's part here times the ranks."""
         sharded = getattr(store, "sharded", ())  # sizes only: no mirror of a device unit is touched (resident.py)
-        return sum(sum(t.nbytes for t in store.shard_state(unit, mirror=False).values()) * self.comm.size
-                   if unit in sharded else sum(t.nbytes for t in store.state_tensors(unit, mirror=False).values())
+        return sum(sum(t.nbytes for t in store.shard_views(unit).values()) * self.comm.size
+                   if unit in sharded else sum(t.nbytes for t in store.state_views(unit).values())
                    for unit in store.units)
 
     def check_space(self, store) -> None:

@@ -189,6 +189,16 @@ def disk_rates(folder, nbytes: int) -> tuple[float, float, str]:
     """(bytes/s, seconds per file, what was measured) of checkpoint writes into `folder` (its nearest existing
     folder): one file of `nbytes` written and fsynced as a checkpoint's are, and the median of five small
     files' write + fsync. The temporary file is removed."""
+    write, latency, _, note = disk_probe(folder, nbytes)
+    return write, latency, note
+
+
+def disk_probe(folder, nbytes: int) -> tuple[float, float, float, str]:
+    """`disk_rates` and the read rate: (write bytes/s, seconds per file, read bytes/s, what was measured). The
+    file written is read back as a resume reads a checkpoint's (checkpoint.py: read and sha256-hashed), its
+    pages dropped from the page cache first (posix_fadvise; where the system keeps them anyway, as on tmpfs,
+    the read is memory's)."""
+    import hashlib
     import os
     import statistics
     import tempfile
@@ -212,15 +222,24 @@ def disk_rates(folder, nbytes: int) -> tuple[float, float, str]:
             os.pwrite(fd, block[:4096], 0)
             os.fsync(fd)
             small.append(time.perf_counter() - start)
+        if hasattr(os, "posix_fadvise"):  # clean after the fsync: the read below comes from the drive
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        buf, digest = bytearray(len(block)), hashlib.sha256()
+        with open(name, "rb", buffering=0) as f:
+            start = time.perf_counter()
+            while got := f.readinto(buf):
+                digest.update(memoryview(buf)[:got])
+            read = nbytes / (time.perf_counter() - start)
     finally:
         os.close(fd)
         os.unlink(name)
-    return rate, statistics.median(small), f"disk {rate / 1e9:.2f} GB/s write + fsync of {nbytes >> 20} MiB in {where}"
+    return rate, statistics.median(small), read, (f"disk {rate / 1e9:.2f} GB/s write + fsync, {read / 1e9:.2f} GB/s "
+                                                  f"read + sha256 of {nbytes >> 20} MiB in {where}")
 
 
 def probe(device: str = "auto", quick: bool = False, disk=None) -> Hardware:
     """Measure this machine. `device`: "cuda", "cpu" (the sim device), or "auto"; `disk`: the folder whose
-    write bandwidth checkpoints are priced at (default: the temporary folder)."""
+    write and read bandwidths checkpoints are priced at (default: the temporary folder)."""
     import tempfile
 
     import torch
@@ -243,8 +262,9 @@ def probe(device: str = "auto", quick: bool = False, disk=None) -> Hardware:
     host_threads = host_optimizer_threads(device)
     rates = policy_rates((4 if quick else 16) * 2**20, repeats, host_threads)
     cast, cast_note = cast_fields(torch, device, (4 if quick else 16) << 20, repeats, sync)
-    disk_bw, disk_lat, disk_note = disk_rates(disk or tempfile.gettempdir(), nbytes)
-    cast = {**cast, "disk_write_bytes_per_s": disk_bw, "disk_file_latency_s": disk_lat}
+    disk_bw, disk_lat, disk_read, disk_note = disk_probe(disk or tempfile.gettempdir(), nbytes)
+    cast = {**cast, "disk_write_bytes_per_s": disk_bw, "disk_file_latency_s": disk_lat,
+            "disk_read_bytes_per_s": disk_read}
     host, path = _host_bytes(), (f"{_optimizer_path()} on {host_threads} thread(s), as training runs it; store "
                                  f"creation: first touch {touch / 1e9:.2f} GB/s, {draws / 1e6:.0f}M weights/s; "
                                  f"{disk_note}")

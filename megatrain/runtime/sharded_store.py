@@ -93,11 +93,16 @@ class ShardedHostStore(HostStore):
         `master`, `exp_avg`, `exp_avg_sq` (S elements; the policy's moment dtype), `exp_avg_scale`,
         `exp_avg_sq_scale` (fp8: per block of each slice), `step` (one count per slice), `buffer` (its routing
         buffers, replicated). Read them to save; write into them to load. `mirror=False`: as state_tensors'."""
-        st, b = self.units[unit], self._bufs
+        st = self.units[unit]
         st.bound = None
         if mirror:  # a device unit's shard: its mirror brought up to date, uploaded again before the next step
             self._mirror_touch()
         self.feed.invalidate(unit)  # a bf16 copy of the masters (runtime/cast.py) is cast again at its next load
+        return self.shard_views(unit)
+
+    def shard_views(self, unit: str) -> dict[str, torch.Tensor]:
+        """`shard_state`'s views with no side effect, for a reader that writes nothing (HostStore.state_views)."""
+        st, b = self.units[unit], self._bufs
         out = {"master": st.master, "exp_avg": b[f"exp_avg.{unit}"], "exp_avg_sq": b[f"exp_avg_sq.{unit}"]}
         if f"scales.{unit}" in b:
             scales = b[f"scales.{unit}"]

@@ -269,13 +269,21 @@ class HostStore:
         `master/<param>` (fp32), `exp_avg/<param>`, `exp_avg_sq/<param>` (the parameter's shape, in the
         policy's moment dtype), `exp_avg_scale/<param>`, `exp_avg_sq_scale/<param>` (fp8: fp32 per block) and
         `step/<param>` (AdamW's fp32 step count) for every owned parameter, `buffer/<buffer>` for its buffers.
-        Read them to save; write into them to load. `mirror=False`: the caller brought a device unit's mirror up
-        to date itself and only reads (a streamed checkpoint's write on the disk stream, checkpoint_stream.py)."""
+        Read them to save; write into them to load: what the masters feed (a bf16 copy, the overflow screen's
+        bound) is taken again afterwards. `mirror=False`: the caller brought a device unit's mirror up to date
+        itself (or the unit has none). A reader that writes nothing takes `state_views`."""
         st = self.units[unit]
         st.bound = None
         if mirror:
             self._mirror_touch()
         self.feed.invalidate(unit)
+        return self.state_views(unit)
+
+    def state_views(self, unit: str) -> dict[str, torch.Tensor]:
+        """`state_tensors`' views, for a reader that writes nothing through them and brings a device unit's
+        mirror up to date itself: no side effect, so a streamed checkpoint's write on the disk stream
+        (checkpoint_stream.py) costs the step no recast of the unit's bf16 copy nor a pass for its bound."""
+        st = self.units[unit]
         out: dict[str, torch.Tensor] = {}
         for p, v in zip(st.owned, st.master_views()):
             out[f"master/{unit}.{p.name}"] = v.view(p.shape)

@@ -14,6 +14,11 @@ A periodic checkpoint but the run's last is written by the next step while it tr
 checkpointing step, planner/checkpoint_writes.py, run instead of the step program; checkpoint_stream.py): its
 seal is noted after the step, and every synchronous save (the last, a stop signal's, one by hand) and the run's
 end wait for it first.
+A resume reads the checkpoint's unit files while the first step trains (the planner's resume step,
+planner/checkpoint_reads.py, run instead of the step program once; checkpointer.py `begin_resume`): the
+manifest's checks, the RNG states and the data position come before it, and anything that reads the host
+store before that step (`store`, a save by hand, a validation pass) reads the rest of the files first, as a
+resume did before. A file that fails its check in that step stops it with the file's one-line CheckpointError.
 
 Numerical faults (`on_nan`): a NaN or inf in a step's loss or gradients is never applied (HostStore
 `check_finite`). "abort" raises NumericalFault (a ValueError: one line from the CLI) and writes no checkpoint
@@ -64,7 +69,8 @@ from .hf_load import check_weights, load_weights
 from .metrics import MetricsLog, check_new_log, progress_info
 from .optim import lr_at
 from .signals import Preempted, stop_signals, stop_vote
-from .stream_device import Device
+from .stream_device import Device, DeviceError
+from .tensorfiles import CheckpointError
 
 
 class NumericalFault(ValueError):
@@ -98,6 +104,11 @@ class Trainer:
         self._writing_program, self.checkpoint_note = None, ""
         self._write_due = False
         self._writes: list = []
+        # a resume's first step reads the checkpoint while it trains (checkpointer.py `begin_resume`): its program and
+        # the Loading its reads take, until that step (or a reader of the store) takes them
+        self._resume_program, self._resume_job, self.resume_note = None, None, ""
+        self._resume_failed = False  # that step stopped on a bad file: close() leaves the failed device be
+        self._store = None
         # Cheap checks first: a bad data file or checkpoint is reported before anything big is allocated.
         self.config, self.model_dir = build.model_of(cfg)
         self.data, self.val_data, self.pack, self.batcher = build.data_of(cfg, self.config, self.model_dir)
@@ -144,15 +155,18 @@ class Trainer:
         self.program = load(self.source)
         build.check_memory(self.plan, self.device, self.comm)
         init = cfg.resume is None and self.weights is None
-        self.store, self.time_to_first_step_s = build.store_of(self.plan, cfg, self.device, init, self.batcher,
+        self._store, self.time_to_first_step_s = build.store_of(self.plan, cfg, self.device, init, self.batcher,
                                                                self.comm)
-        self.checkpoints.check_space(self.store)
-        self.engine = build.engine_of(self.plan, cfg, self.device, self.store, self.comm)
+        self.checkpoints.check_space(self._store)
+        self.engine = build.engine_of(self.plan, cfg, self.device, self._store, self.comm)
         self._writing_program, self.checkpoint_note = self.checkpoints.streamed(self.plan, self.plan.ir)
         if self.weights is not None:
-            load_weights(self.weights, self.store)
+            load_weights(self.weights, self._store)
         if manifest is not None:
-            self.checkpoints.load(manifest, self.store, self.device)
+            self._resume_program, self._resume_job, self.resume_note = self.checkpoints.begin_resume(
+                manifest, self.plan, self.engine, self.device)
+            if self.resume_note and self.rank == 0:  # where the plan does not allow it: said once
+                print(f"note: {self.resume_note}", file=sys.stderr, flush=True)
             self.step = manifest["step"]
             self.engine.step_index = self.step  # the device treats the previous step's events as done
             if self.rank == 0 and (n := metric_logs.drop_redone(self.metrics_path, self.step)):
@@ -161,6 +175,24 @@ class Trainer:
             self.plan_changed = manifest.get("plan_sha256") != self.plan_sha256
         else:  # NOTE: training draws no random numbers today; if it ever does, a run stays a function of
             torch.manual_seed(self.train.seed)  # (seed, step): seeded here, restored from a checkpoint on resume
+
+    @property
+    def store(self):
+        """The host store (store.py). Before a resumed run's first step, reading it reads the checkpoint's unit
+        files that step would have streamed in, here, as a resume did before (`settle_resume`)."""
+        self.settle_resume()
+        return self._store
+
+    def settle_resume(self) -> None:
+        """Read the rest of the checkpoint resumed from into the host store now, on this thread, instead of in
+        the first step; that step then runs the step program. A no-op once the store holds it."""
+        job = self._resume_job
+        if job is None:
+            return
+        self._resume_program = self._resume_job = None
+        for unit in job.unit_files:
+            if unit not in job.loaded:
+                self.engine.read_unit(job, unit, mirror=True)
 
     @property
     def resumed_from(self) -> Path | None:
@@ -197,10 +229,14 @@ class Trainer:
 
     def _collect_writes(self) -> None:
         """Take note of the checkpoints the checkpointing steps have sealed; raise the first that failed."""
-        self._writes = self.checkpoints.collect(self._writes, self.store)
+        self._writes = self.checkpoints.collect(self._writes, self._store)
 
     def checkpoint_bytes(self) -> int:
-        return self.checkpoints.checkpoint_bytes(self.store)
+        return self.checkpoints.checkpoint_bytes(self._store)
+
+    def host_bytes(self) -> int:
+        """Every host byte the store allocated (a size: nothing of a resume is read for it)."""
+        return self._store.host_bytes()
 
     def _kept(self) -> str:
         """What a run that stops now keeps, for its error's one line."""
@@ -256,9 +292,11 @@ class Trainer:
     def train_step(self, batch: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         lr = lr_at(self.train, self.step)
         program = self.program
+        if self._resume_job is not None:  # the first step after a resume reads the checkpoint while it trains
+            return self._resume_step(batch, lr)
         if self._write_due:  # the state this step starts from is a checkpoint due: this step writes it
             self._write_due = False
-            job = self.checkpoints.job(self.step, self.engine.step_index - 1, self.store, self.device, self._meta(),
+            job = self.checkpoints.job(self.step, self.engine.step_index - 1, self._store, self.device, self._meta(),
                                        self.model_dir, self.on_nan == "abort")
             self.engine.write_checkpoint(job)
             self._writes.append(job)
@@ -267,9 +305,30 @@ class Trainer:
         self.step += 1
         return loss
 
+    def _resume_step(self, batch, lr: float) -> float:
+        """The resume step (planner/checkpoint_reads.py): the step program with the checkpoint's reads on the disk
+        stream. A file that fails its check (a flipped byte, an I/O error) fails the device, so no stream waits
+        for it; its one-line CheckpointError is raised, and nothing is written anywhere."""
+        program, job = self._resume_program, self._resume_job
+        self._resume_program = self._resume_job = None
+        self.engine.read_checkpoint(job)
+        try:
+            loss = program.step(self.engine, batch, lr)
+            self.device.synchronize("disk")  # every read is in by now (the step's loads waited for them)
+        except DeviceError as e:
+            if isinstance(e.__cause__, CheckpointError):
+                self._resume_failed = True
+                raise e.__cause__ from None
+            raise
+        finally:
+            self.engine.read_checkpoint(None)
+        self.step += 1
+        return loss
+
     def validation_loss(self, n_batches: int = 4) -> float | None:
         if self.val_data is None:
             return None
+        self.settle_resume()  # the evaluation program reads the store
         t = self.train
         if self.val_data.examples is not None:
             return evaluate(self.engine, example_eval_batches(self.val_data, t.micro_batch, t.seq_len, n_batches,
@@ -381,14 +440,15 @@ class Trainer:
             return
         self._closed = True
         try:
-            self.device.synchronize()
+            with contextlib.suppress(DeviceError) if self._resume_failed else contextlib.nullcontext():
+                self.device.synchronize()  # (a resume's bad file failed the device: raised already)
         finally:
             self.device.close()
             self.checkpoints.release()
             if self._scalars is not None:
                 self._scalars.close()
-            if getattr(self, "store", None) is not None:
-                self.store.close()  # unregisters pinned host memory on cuda; the tensors stay readable
+            if getattr(self, "_store", None) is not None:
+                self._store.close()  # unregisters pinned host memory on cuda; the tensors stay readable
 
     def __enter__(self) -> Trainer:
         return self

@@ -2,6 +2,7 @@
 it is the step program plus its writes, and the plan prices it at the disk's bandwidth."""
 
 import json
+import math
 
 import pytest
 from planner_testing import find, without
@@ -118,3 +119,40 @@ def test_plan_checkpoint_every_prices_a_checkpoint_and_refuses_a_bad_count(capsy
     for bad in ("0", "\uff11\uff10", "x"):
         assert main([*argv, "--checkpoint-every", bad]) == 2
     assert "expected a whole number of steps >= 1" in capsys.readouterr().err
+
+
+def test_in_a_world_a_checkpoint_is_priced_at_the_busiest_ranks_files_on_its_nodes_disk():
+    """Each rank writes its shards and rank 0 the replicated units whole (runtime/checkpoint_stream.py): the
+    price is rank 0's bytes, written through a disk the node's ranks share; a resume's reads alike."""
+    from megatrain.planner import TrainSpec, hardware_preset, plan
+    from megatrain.planner.checkpoint_writes import checkpoint_cost
+    from megatrain.planner.collectives import cost_model
+    from megatrain.planner.world import World, replicated_units
+
+    ir = transformer_ir(n_layers=4, micro_batch=1, seq_len=64)
+    hw = hardware_preset("h100-sxm")
+    one = checkpoint_cost(plan(ir, hw, TrainSpec(micro_batch=1, seq_len=64, grad_accum=4), "8GiB"))
+    for nproc, nnodes in ((4, 1), (4, 2)):
+        world = World(nproc=nproc, nnodes=nnodes)
+        p = plan(ir, hw, TrainSpec(micro_batch=1, seq_len=64, grad_accum=4), "8GiB", world=world)
+        cost = checkpoint_cost(p)
+        whole = replicated_units(p.ir)
+        assert cost.bytes < one.bytes  # shards, not the model
+        assert f"on rank 0 of {nproc} (its shards" in cost.lines()[0]
+        assert (f"shared by a node's {nproc // nnodes} ranks" in cost.lines()[0]) == (nproc // nnodes > 1)
+        # rank 0's files: a shard of each sharded unit, the replicated ones whole
+        costs = cost_model(p.ir, hw, p.host_policy, False, world)
+        for u, b, full in zip(p.ir.units, costs.save_bytes, _whole_file_bytes(p.ir)):
+            assert b == (full if u.name in whole else math.ceil(full / nproc))
+        # a node's ranks share its disk: a unit's write takes L times its bytes' time at the disk's rate
+        L = world.ranks_per_node
+        i = next(k for k, u in enumerate(p.ir.units) if u.name not in whole)
+        assert costs.save[i] == pytest.approx(costs.save_bytes[i] * L / hw.disk_write_bytes_per_s + hw.disk_file_latency_s)
+        assert costs.read[i] == pytest.approx(costs.save_bytes[i] * L / hw.disk_read_bytes_per_s + hw.disk_file_latency_s)
+
+
+def _whole_file_bytes(ir):
+    """The unit files' whole bytes, as the one-process cost model counts them."""
+    from megatrain.planner.costs import unit_file_bytes
+
+    return [unit_file_bytes(u, "exact") for u in ir.units]

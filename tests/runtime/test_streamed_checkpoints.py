@@ -52,6 +52,30 @@ def test_streamed_checkpoints_are_the_synchronous_ones_bit_for_bit(token_files, 
     assert streamed == digests(root)  # so a streamed one resumes as exactly as a synchronous one
 
 
+def test_the_disk_stream_only_reads_the_store(token_files, tmp_path, monkeypatch):
+    """A streamed write takes the units' views with no side effect (HostStore.state_views): it never marks a
+    unit's bf16 copy stale nor drops its overflow bound, which would cost the next step a recast and a pass
+    over the unit's masters for every unit a checkpoint writes."""
+    import threading
+
+    from megatrain.runtime.store import HostStore
+
+    touched = []
+    for name in ("state_tensors", "_invalidate"):
+        original = getattr(HostStore, name)
+
+        def spy(self, *a, _o=original, _n=name, **kw):
+            if threading.current_thread() is not threading.main_thread():
+                touched.append(_n)
+            return _o(self, *a, **kw)
+
+        monkeypatch.setattr(HostStore, name, spy)
+    with make(token_files, checkpoint_dir=tmp_path, checkpoint_every=1) as t:
+        t.run(3, progress=False)
+        invalidated = [u for u in t.store.units if u in getattr(t.store.feed, "stale", ())]
+    assert len(step_dirs(tmp_path)) >= 2 and touched == [] and invalidated == []
+
+
 def test_a_fault_seals_nothing_from_its_step_and_the_last_checkpoint_stays(token_files, tmp_path, monkeypatch):
     with make(token_files, checkpoint_dir=tmp_path, checkpoint_every=1) as t:
         t.run(2, progress=False)
