@@ -82,7 +82,7 @@ def residency_pass(s: State) -> tuple[State, list[str] | None]:
             raise ValueError(f"resident={req!r}: pass 'none', 'auto' or a mapping of unit names to 'host', "
                              "'weights' or 'device'")
         chosen, lines = choose_auto(s.ir, s.costs, s.policy, s.train.grad_accum, _auto_refused(s),
-                                    lambda st: _fits(s, st), lambda st: _trial(s, st))
+                                    lambda st: _fits(s, st), lambda st: _trial(s, st), s.rank_irs)
         if chosen is not None:
             s = dataclasses.replace(s, scheduled=chosen.scheduled)
         state = () if chosen is None else chosen.state
@@ -99,9 +99,9 @@ def residency_pass(s: State) -> tuple[State, list[str] | None]:
 
 
 def _auto_refused(s: State) -> str | None:
-    """Why auto keeps every unit streamed whatever the budget, or None."""
-    if s.world.nproc > 1:
-        return f"a data-parallel world ({s.world.nproc} ranks) streams every unit"
+    """Why auto keeps every unit streamed whatever the budget, or None. A data-parallel world is no reason: its
+    ranks each hold their shard of a device unit's state (`_fits`, `_dstate_bytes`) and `_trial` prices the
+    world's program (shard loads, the collectives) as it does a forced placement's."""
     if s.policy.name != "exact":
         return f"a device step runs the exact host policy's update only, not {s.policy.name}'s"
     return None
@@ -109,7 +109,8 @@ def _auto_refused(s: State) -> str | None:
 
 def _fits(s: State, state: tuple[str, ...]) -> bool:
     """The least-memory schedule with `state`, but double-buffered (two shared parameter slots and two shared
-    gradient slots, what the step's overlap needs most), fits the device budget with the units' device state."""
+    gradient slots, what the step's overlap needs most), fits the device budget with the units' device state
+    (in a world one rank's: its whole slots, its shard of the state)."""
     n_host = sum(p == "host" for p in state)
     dec = Decisions(2 if n_host > 1 else 1, 2, minimal(s.ir).placement, state=state)
     dstate = sum(_dstate_bytes(s.ir, s.policy, state, s.rank_irs).values())

@@ -98,7 +98,11 @@ def check_places(ir: ModelIR, places: dict[str, str], policy: HostPolicy | str |
 # waits for each (embed first). "head first": the head (whose step opens the host's sequence), then embed,
 # blocks.0, ...; "forward": embed, blocks.0, ... (the steps the next forward waits for, first to last), the
 # head last. Where the link binds the best of those, the units left streaming are given "weights" (loaded once
-# a step, not reloaded for the backward: 2 B/param in bf16) as far as they fit, and priced once more.
+# a step, not reloaded for the backward: 2 B/param in bf16) as far as they fit, and priced once more; where the
+# link binds every unit streamed, "weights" alone for as many units as fit is a candidate too (a unit's device
+# state costs some 9 times its weights' bytes for twice the loads saved). In a data-parallel world a rank holds
+# its shard of each device unit's state (1/R of it) beside its whole slots, so more units fit, and the
+# candidates are priced with its shard-sized host steps, loads and stores and the collectives.
 MIN_GAIN = 0.005  # a placement must shorten the predicted step by more than this to be kept
 # The two orders' sets differ by one unit (the head for the last block the other takes). Where the units that
 # fit are at most one in FEW of the model's, that swap moves the step little against the cost of pricing a
@@ -107,6 +111,9 @@ FEW = 8
 # Where the GPU binds with the most that fit, a bisection on the count (between all streamed, which the host or
 # the link binds, and that) for where the GPU starts to bind: at most this many more pricings
 REFINE = 4
+# the bottlenecks a unit's weights kept on the device relieve: its backward reload, and in a world the all_gather
+# that completes it
+LINK = ("h2d", "collectives")
 # below this fraction of the compute a step's host AdamW and link work stay hidden however they pipeline (the
 # estimator is not asked); above it the pipeline's bubbles can bind before the sums do
 SCREEN = 0.5
@@ -133,14 +140,18 @@ def benefit_orders(ir: ModelIR) -> dict[str, tuple[int, ...]]:
     return {k: v for k, v in orders.items() if v}
 
 
-def resident_bytes(u: UnitIR, place: str, policy: HostPolicy | str, dtype: str) -> int:
+def resident_bytes(u: UnitIR, place: str, policy: HostPolicy | str, dtype: str, ranks: tuple[ModelIR, ...] = ()) -> int:
     """Device bytes a unit's place holds for the whole run: its dedicated parameter slot, and for "device" its
-    gradient slot (as schedule.unit_grad_bytes) and `dstate.{unit}`."""
+    gradient slot (as schedule.unit_grad_bytes) and `dstate.{unit}`. In a data-parallel world (`ranks`: each
+    rank's view, world.rank_ir) the slots stay whole (the all_gather completes the weights in one, the
+    reduce_scatter reads the whole gradient from the other) but `dstate` is the rank's shard's: the most any
+    rank holds (their slices' step counts differ), as passes._dstate_bytes sizes it."""
     if place == "host":
         return 0
     out = u.slot_bytes(dtype)
     if place == "device":
-        out += (u.flat_numel + len(u.params)) * 4 + device_state_bytes(u, policy, dtype)
+        shards = [r.units[u.index] for r in ranks] or [u]
+        out += (u.flat_numel + len(u.params)) * 4 + max(device_state_bytes(v, policy, dtype) for v in shards)
     return out
 
 
@@ -158,24 +169,30 @@ def _largest(count: int, fits: Callable[[int], bool]) -> int:
 
 def choose_auto(ir: ModelIR, costs, policy: HostPolicy | str, n_micro: int, why_not: str | None,
                 fits: Callable[[tuple[str, ...]], bool],
-                evaluate: Callable[[tuple[str, ...]], Trial]) -> tuple[Trial | None, list[str]]:
+                evaluate: Callable[[tuple[str, ...]], Trial], ranks: tuple[ModelIR, ...] = ()) -> tuple[Trial | None, list[str]]:
     """The priced placement auto chooses (its state per unit in depth order, () for every unit streamed; None
     when nothing was priced: every unit streamed), and the decision lines.
     `fits(state)`: the double-buffered least-memory schedule with `state` fits the budget; `evaluate(state)`:
-    the estimator's step of the program the schedule passes make with `state` (step_s None when it fits not)."""
+    the estimator's step of the program the schedule passes make with `state` (step_s None when it fits not).
+    In a data-parallel world `costs` are one rank's (shard-sized loads, stores and host steps, the collectives)
+    and `ranks` each rank's view of the IR (world.rank_ir): only the bytes the lines print read them, `fits`
+    and `evaluate` size a device unit's state per rank themselves."""
     if why_not is not None:
         return None, [f"auto: every unit streamed: {why_not}"]
     n, K, c = len(ir.units), n_micro, costs
     host_s, link_s = sum(c.opt), sum(c.load) + sum(c.store)
+    # a world's rank gathers each streamed unit for both passes and reduces its gradient once
+    comm_s = 2 * sum(getattr(c, "gather", ())) + sum(getattr(c, "reduce", ()))
     gpu_s = sum(K * (c.fwd[i] + c.backward(i, False)) for i in range(n))
-    if max(host_s, link_s) <= SCREEN * gpu_s:
+    if max(host_s, link_s, comm_s) <= SCREEN * gpu_s:
+        comm = f", {comm_s:.4g} s of collectives" if comm_s else ""
         return None, [f"auto: every unit streamed: compute binds ({gpu_s:.4g} s a step against {host_s:.4g} s of host "
-                    f"AdamW and {link_s:.4g} s of loads and stores): a unit's state on the device would save "
-                    "nothing on the critical path"]
+                      f"AdamW and {link_s:.4g} s of loads and stores{comm}): a unit's state on the device would save "
+                      "nothing on the critical path"]
     orders = benefit_orders(ir)
     if not orders:
         return None, ["auto: every unit streamed: no unit may hold its state on the device (tied parameters or "
-                    "host-updated buffers)"]
+                      "host-updated buffers)"]
     base = evaluate(())
     lines = [f"all streamed: step {base.step_s:.4g} s, bottleneck {base.bottleneck} {base.share:.0%}"]
 
@@ -184,6 +201,13 @@ def choose_auto(ir: ModelIR, costs, policy: HostPolicy | str, n_micro: int, why_
         for i in order[:r]:
             state[i] = place
         return tuple(state)
+
+    def weights_on(under: tuple[str, ...]) -> tuple[int, Trial | None]:
+        """The units streaming under `under` given "weights", depth order (the first are those the backward
+        reloads: the last stay resident across the turn), as many as fit, priced."""
+        rest = tuple(i for i in range(n) if under[i] == "host" and can_reside(ir, i) is None)
+        w = _largest(len(rest), lambda r: fits(placed(rest, r, "weights", under)))
+        return w, (evaluate(placed(rest, w, "weights", under)) if w else None)
 
     trials: dict[tuple[str, ...], tuple[str, Trial]] = {}
     counts: dict[str, int] = {}
@@ -196,39 +220,50 @@ def choose_auto(ir: ModelIR, costs, policy: HostPolicy | str, n_micro: int, why_
             trials[state] = (name, evaluate(state))
         if r * FEW <= n:  # the other order swaps one unit of these few: not worth a pricing (see FEW)
             break
-    if not trials:
-        first = ir.units[next(iter(orders.values()))[0]]
-        return base, lines + [f"auto: every unit streamed: not even {first.name}'s state "
-                            f"({format_bytes(resident_bytes(first, 'device', policy, ir.dtype))}) fits beside a "
-                            "double-buffered least-memory schedule"]
     for state, (name, t) in trials.items():
         lines.append(f"{name} order, the most that fit ({state.count('device')} device): " + _priced(t))
-    best_state, (best_name, best) = min(trials.items(), key=lambda kv: kv[1][1].step_s or float("inf"))
-    if best.bottleneck == "compute":  # the GPU binds with all that fit: fewer may do, leaving it their steps
-        lo, hi, order = 0, counts[best_name], orders[best_name]
-        for _ in range(REFINE):
-            mid = (lo + hi) // 2
-            if mid in (lo, hi):
-                break
-            t = evaluate(placed(order, mid))
-            lines.append(f"{best_name} order, {mid} device: " + _priced(t))
-            if t.step_s is not None and t.step_s < best.step_s:
-                best_state, best = t.state, t
-            lo, hi = (lo, mid) if t.bottleneck == "compute" else (mid, hi)
-    if best.step_s is not None and best.bottleneck == "h2d":
-        rest = tuple(i for i in range(n) if best_state[i] == "host" and can_reside(ir, i) is None)
-        w = _largest(len(rest), lambda r: fits(placed(rest, r, "weights", best_state)))
-        if w:
-            t = evaluate(placed(rest, w, "weights", best_state))
-            lines.append(f"the link binds: + {w} unit(s) weights only: " + _priced(t))
-            if t.step_s is not None and t.step_s < best.step_s:
-                best_state, best = t.state, t
+    chosen: list[tuple[str, tuple[str, ...], Trial]] = []  # (what, state, trial) of each priced candidate kept
+    if trials:
+        best_state, (best_name, best) = min(trials.items(), key=lambda kv: kv[1][1].step_s or float("inf"))
+        if best.bottleneck == "compute":  # the GPU binds with all that fit: fewer may do, leaving it their steps
+            lo, hi, order = 0, counts[best_name], orders[best_name]
+            for _ in range(REFINE):
+                mid = (lo + hi) // 2
+                if mid in (lo, hi):
+                    break
+                t = evaluate(placed(order, mid))
+                lines.append(f"{best_name} order, {mid} device: " + _priced(t))
+                if t.step_s is not None and t.step_s < best.step_s:
+                    best_state, best = t.state, t
+                lo, hi = (lo, mid) if t.bottleneck == "compute" else (mid, hi)
+        if best.step_s is not None and best.bottleneck in LINK:
+            w, t = weights_on(best_state)
+            if t is not None:
+                lines.append(f"the link binds: + {w} unit(s) weights only: " + _priced(t))
+                if t.step_s is not None and t.step_s < best.step_s:
+                    best_state, best = t.state, t
+        chosen.append((f"the {best_name} order", best_state, best))
+    if base.bottleneck in LINK:
+        # a unit's weights kept take its backward reload (and in a world its second all_gather) off the link at 2
+        # B/param of the device, where its state there takes both loads at some 18: where the link binds every
+        # unit streamed, the units that fit as weights may save more than the fewer that fit as device
+        w, t = weights_on(("host",) * n)
+        if t is not None:
+            lines.append(f"all streamed, {base.bottleneck} binds: {w} unit(s) weights only: " + _priced(t))
+            chosen.append(("weights only", t.state, t))
+    priced = [(what, st, t) for what, st, t in chosen if t.step_s is not None]
+    if not chosen:
+        first = ir.units[next(iter(orders.values()))[0]]
+        return base, lines + [f"auto: every unit streamed: not even {first.name}'s state "
+                              f"({format_bytes(resident_bytes(first, 'device', policy, ir.dtype, ranks))}) fits "
+                              "beside a double-buffered least-memory schedule"]
+    what, best_state, best = min(priced, key=lambda x: x[2].step_s) if priced else chosen[0]
     if best.step_s is None or best.step_s >= base.step_s * (1 - MIN_GAIN):
         return base, lines + [f"auto: every unit streamed: no placement that fits shortens the step by more than "
-                            f"{MIN_GAIN:.1%}"]
-    return best, lines + [f"chose the {best_name} order: step {best.step_s:.4g} s against {base.step_s:.4g} s "
-                                f"all streamed ({base.step_s / best.step_s - 1:+.0%} tokens/s)"] + \
-        why_lines(ir, costs, policy, best_state)
+                              f"{MIN_GAIN:.1%}"]
+    return best, lines + [f"chose {what}: step {best.step_s:.4g} s against {base.step_s:.4g} s "
+                          f"all streamed ({base.step_s / best.step_s - 1:+.0%} tokens/s)"] + \
+        why_lines(ir, costs, policy, best_state, ranks)
 
 
 def _priced(t: Trial) -> str:
@@ -236,8 +271,10 @@ def _priced(t: Trial) -> str:
         f"step {t.step_s:.4g} s, bottleneck {t.bottleneck} {t.share:.0%}"
 
 
-def why_lines(ir: ModelIR, costs, policy: HostPolicy | str, state: tuple[str, ...]) -> list[str]:
-    """Per run of units with the same place: what each takes off the streams a step, and its device bytes."""
+def why_lines(ir: ModelIR, costs, policy: HostPolicy | str, state: tuple[str, ...],
+              ranks: tuple[ModelIR, ...] = ()) -> list[str]:
+    """Per run of units with the same place: what each takes off the streams a step, and its device bytes (in a
+    world, `ranks`, one rank's: its shard of a device unit's state)."""
     out, i, n = [], 0, len(ir.units)
     while i < n:
         j = i
@@ -247,13 +284,15 @@ def why_lines(ir: ModelIR, costs, policy: HostPolicy | str, state: tuple[str, ..
         if place != "host":
             u = ir.units[i]
             names = u.name if i == j else f"{u.name} .. {ir.units[j].name} ({j - i + 1})"
-            nbytes = resident_bytes(u, place, policy, ir.dtype)
+            nbytes = resident_bytes(u, place, policy, ir.dtype, ranks)
             if place == "device":
                 what = (f"its host AdamW step ({costs.opt[i] * 1e3:.3g} ms), loads ({costs.load[i] * 1e3:.3g} ms each) "
                         f"and gradient store ({costs.store[i] * 1e3:.3g} ms) leave the host and the link; its step "
                         f"runs on the GPU ({costs.dstep[i] * 1e3:.3g} ms)")
             else:
                 what = f"its backward reload ({costs.load[i] * 1e3:.3g} ms) leaves the link"
+                if getattr(costs, "gather", None):  # a world's: the reload's all_gather goes with it
+                    what += f", its second all_gather ({costs.gather[i] * 1e3:.3g} ms) the collectives"
             out.append(f"{names} {place}: {what}; {format_bytes(nbytes)} of the device each")
         i = j + 1
     return out

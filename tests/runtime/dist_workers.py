@@ -16,13 +16,14 @@ from megatrain.runtime.stream_device import SimDevice
 
 
 def streamed(comm, config: dict, train: dict, budget: int, batches, policy: str = "exact", delays=None,
-             resident="none") -> dict:
+             resident="none", hardware: dict | None = None) -> dict:
     """Train `batches` (global steps) on this rank of the world; returns the whole masters and buffers (every
-    rank gathers them), the losses, and this rank's host bytes beside the plan's. `resident`: plan()'s."""
+    rank gathers them), the losses, and this rank's host bytes beside the plan's. `resident`: plan()'s;
+    `hardware`: fields of the cpu preset to plan with instead (what auto's choice reads)."""
     config, train = ModelConfig.model_validate(config), TrainSpec.model_validate(train)
     ir = trace(config, train.micro_batch, train.seq_len, train.dtype, target="cpu")
-    p = plan(ir, hardware_preset("cpu"), train, budget, host_policy=policy, world=World(nproc=comm.size),
-             resident=resident)
+    p = plan(ir, hardware_preset("cpu").replace(**(hardware or {})), train, budget, host_policy=policy,
+             world=World(nproc=comm.size), resident=resident)
     step = load(emit(p)).step
     with SimDevice(budget_bytes=p.gpu_budget_bytes, delays=delays, seed=comm.rank) as dev:
         store = ShardedHostStore(p.ir, p.train, seed=train.seed, policy=p.host_policy, program=p.program,
@@ -34,7 +35,7 @@ def streamed(comm, config: dict, train: dict, budget: int, batches, policy: str 
         return {"master": master, "buffers": {k: v.clone() for k, v in store.full_buffers().items()},
                 "losses": losses, "rank": comm.rank, "host_bytes": store.host_bytes(), "plan_host_bytes": p.host_bytes_per_rank,
                 "peak": dev.pool.peak, "plan_peak": p.peak_buffer_bytes, "n_slots": p.n_slots,
-                "placements": sorted(set(p.placement.values())),
+                "placements": sorted(set(p.placement.values())), "state_place": dict(p.state_place),
                 "collectives": sorted({i.op for i in p.program.instrs if i.stream == "comm"} - {"record", "wait"})}
 
 

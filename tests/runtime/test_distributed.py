@@ -147,6 +147,27 @@ def test_two_ranks_with_resident_units_train_as_one(tmp_path, dtype, grad_accum,
     assert all(torch.equal(res[0]["master"][k], ref["master"][k]) for k in ref["master"])
 
 
+# the cpu preset with a host whose AdamW is slow enough to bind: auto keeps units' state on the (sim) device
+SLOW_HOST = {"name": "cpu-slow-host", "host_memory_bytes_per_s": 1e8}
+
+
+def test_two_ranks_with_auto_resident_units_train_as_eager_bit_for_bit(tmp_path):
+    """resident="auto" in a world of 2: the residency pass chooses device units (each rank stepping its shard),
+    and one micro-batch per rank without clipping trains bit for bit as eager training over the global batch."""
+    config, train = config_of(n_layers=2), _train(2, None)
+    batches = global_batches(config, train, 3)
+    res = run_ranks("dist_workers:streamed", 2, tmp_path, config=config, train=train, budget=6 * MIB,
+                    batches=batches, resident="auto", hardware=SLOW_HOST)
+    places = res[0]["state_place"]
+    assert "device" in places.values(), places
+    for r in res:
+        assert r["state_place"] == places
+        assert r["host_bytes"] == r["plan_host_bytes"][r["rank"]] and r["peak"] == r["plan_peak"]
+        assert all(torch.equal(r["master"][k], res[0]["master"][k]) for k in r["master"])  # one model
+    model, losses = _eager(config, train, batches)
+    _assert_trained_alike(res[0], model, losses, bit_exact=True)
+
+
 def test_a_sharded_checkpoint_of_resident_units_resumes_bit_for_bit(tmp_path):
     """2 ranks with a device unit (stepping its shard, all-gathering its slot) and a weights unit (its shard
     loaded once a step), one micro-batch each and no clipping, train bit for bit as eager training (so as the

@@ -58,9 +58,30 @@ def _same_state(a: HostStore, b: HostStore) -> None:
     ("fp32", 2, 1.0), ("bf16", 1, None),  # a barrier (device steps after clip_grads) and none (right after the backward)
     pytest.param("fp32", 1, None, marks=pytest.mark.slow), pytest.param("bf16", 2, 0.05, marks=pytest.mark.slow)])
 def test_resident_units_train_as_streamed_and_eager(dtype, grad_accum, clip):
+    _trains_as_streamed_and_eager(_train(dtype, grad_accum, clip), MAPPING, ("embed", "blocks.0", "blocks.1"))
+
+
+# every unit but one keeping its weights on the device (the last block streams: the shared slots have a unit)
+WEIGHTS = {"embed": "weights", "blocks.0": "weights", "blocks.1": "weights", "blocks.2": "weights", "head": "weights"}
+
+
+@pytest.mark.parametrize("dtype, grad_accum, clip", [("bf16", 2, 1.0), ("fp32", 1, None)])
+def test_weights_units_train_as_streamed_and_eager(dtype, grad_accum, clip):
+    """A plan whose units keep only their weights on the device ("weights": loaded once a step, never reloaded
+    for the backward, stepped by the host) trains as all streamed and as eager, bit for bit."""
     train = _train(dtype, grad_accum, clip)
-    streamed, resident = _plans(TINY, train)
-    assert resident.resident_units == ("embed", "blocks.0", "blocks.1")
+    resident = _trains_as_streamed_and_eager(train, WEIGHTS, tuple(WEIGHTS))
+    loads = [i.unit for i in resident.program.instrs if i.op == "load_params"]
+    assert all(loads.count(u) == 1 for u in WEIGHTS) and loads.count("blocks.3") >= 1
+    assert not any(i.op == "device_step" for i in resident.program.instrs)
+
+
+def _trains_as_streamed_and_eager(train, mapping, units):
+    """Train 3 steps with `mapping`'s places and all streamed: the same losses, every master, moment and step
+    count bit for bit, the planned peak and host bytes, and eager training's weights. Returns the plan."""
+    streamed, resident = _plans(TINY, train, mapping)
+    assert resident.resident_units == units
+    dtype = train.dtype
     batches = make_batches(TINY, train, steps=3)
     s0, l0, _ = streamed_train(streamed, batches)
     s1, l1, peak = streamed_train(resident, batches)
@@ -73,6 +94,7 @@ def test_resident_units_train_as_streamed_and_eager(dtype, grad_accum, clip):
     master = s1.named_master()
     for name, param in model.named_parameters():
         assert torch.equal(master[name], param.detach()), name
+    return resident
 
 
 def test_depth_mixing_units_reside_too():
