@@ -50,12 +50,14 @@ DEFAULT_INIT_PARAMS_PER_S = 1.5e8
 # pages and drawing normal values a little slower than one core of the CI VM did
 SERVER_TOUCH = {"host_touch_bytes_per_s": 40e9, "host_init_params_per_s": 4e9}
 # Checkpoint writes (planner/checkpoint_writes.py): assumed, not measured, for every preset: one datacenter NVMe
-# drive's sustained sequential write with fsync, at the low end of what such drives state (2-7 GB/s), and a
-# file's fsync on a drive without power-loss protection; `megatrain probe --checkpoint-dir DIR` measures the folder a run writes to.
-DISK_WRITE_BYTES_PER_S = 2e9
+# drive's sustained sequential write with fsync, at the low end of what such drives state (2-7 GB/s), behind the
+# sha256 the writing thread takes of every byte in series (runtime/tensorfiles.py; 1.7 GB/s on a core of the CI
+# VM, about 2 on a server core with SHA extensions): 1 GB/s; and a file's fsync on a drive without power-loss
+# protection. `megatrain probe --checkpoint-dir DIR` measures the folder a run writes to, hash included.
+DISK_WRITE_BYTES_PER_S = 1e9
 # Checkpoint reads (a resume streamed into its first step, planner/checkpoint_reads.py): the write figure, not
-# measured either; such drives state higher sequential reads than writes, so a resume is priced on the slow side.
-DISK_READ_BYTES_PER_S = 2e9
+# measured either; such drives state higher sequential reads than writes, but the read is hashed in series too.
+DISK_READ_BYTES_PER_S = 1e9
 DISK_FILE_LATENCY_S = 1e-3
 MATMUL_EFFICIENCY = 0.75
 LINK_EFFICIENCY = 0.85

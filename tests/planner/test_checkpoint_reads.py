@@ -149,8 +149,8 @@ def test_plan_checkpoint_every_prints_the_resume_line(capsys, cached_traces):
     argv = ["plan", "--model", "tiny", "--hardware", "cpu", "--seq-len", "128", "--micro-batch", "2"]
     assert main([*argv, "--checkpoint-every", "10", "--json"]) == 0
     resume = json.loads(capsys.readouterr().out)["checkpoint"]["resume"]
-    assert resume["streamed"] and resume["bytes"] > 0 and resume["disk_bytes_per_s"] == 2e9
+    assert resume["streamed"] and resume["bytes"] > 0 and resume["disk_bytes_per_s"] == 1e9
     assert resume["first_step_s"] <= 1.01 * resume["first_step_synchronous_s"]
     assert main([*argv, "--checkpoint-every", "3"]) == 0
     out = capsys.readouterr().out
-    assert "resume: " in out and "read at 2 GB/s" in out and "while the first step trains" in out
+    assert "resume: " in out and "read at 1 GB/s" in out and "while the first step trains" in out

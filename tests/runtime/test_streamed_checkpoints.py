@@ -199,4 +199,5 @@ def test_the_probe_measures_checkpoint_writes_where_they_go_and_leaves_nothing(t
 
     rate, latency, note = disk_rates(tmp_path / "not" / "yet", 4 << 20)  # measured in its nearest folder
     assert rate > 0 and latency >= 0 and f"of 4 MiB in {tmp_path}" in note
+    assert "write + sha256 + fsync" in note  # the writer hashes every byte on its thread: the rate includes it
     assert list(tmp_path.iterdir()) == []
