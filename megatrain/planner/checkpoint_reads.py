@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from megatrain.ir.model_ir import ModelIR
 from megatrain.ir.program import Instr, Program
 
+from .checkpoint_writes import step_besides
 from .sync import tied_owners
 
 LOADED = "resume.loaded."
@@ -115,16 +116,9 @@ def resume_program(step: Program, ir: ModelIR | None = None) -> Program:
 def check_resume_pair(step: Program, first: Program) -> list[str]:
     """Problems with `first` as the resume step of `step` (one line each; empty: none): it must be `step` plus
     the disk stream's reads and the waits on them, so the step program may follow it."""
-    problems = []
     rest = tuple(ins for ins in first.instrs
                  if ins.stream != "disk" and not (ins.op == "wait" and ins.event.startswith(LOADED)))
-    if rest != step.instrs:
-        at = next((k for k, (a, b) in enumerate(zip(rest, step.instrs)) if a != b), min(len(rest), len(step.instrs)))
-        problems.append(f"the resume step differs from the step program at its instruction {at} besides its reads; "
-                        "the step program must be able to follow it")
-    if {b.name for b in first.buffers} != {b.name for b in step.buffers}:
-        problems.append("the resume step has other buffers than the step program")
-    return problems
+    return step_besides(step, first, rest, "the resume step", "reads", "the step program must be able to follow it")
 
 
 def check_reads(program: Program, hb, at, ir: ModelIR | None = None) -> list[str]:

@@ -83,15 +83,20 @@ def checkpoint_program(step: Program) -> Program:
 def check_pair(step: Program, ck: Program) -> list[str]:
     """Problems with `ck` as the checkpointing step of `step` (one line each; empty: none): it must be `step`
     plus the disk stream and its events, so a step of either program may follow one of the other."""
-    problems = []
     ours = {BEGIN, DEVICE} | {saved_event(ins.unit) for ins in ck.instrs if ins.op == "save_state"}
     rest = tuple(ins for ins in ck.instrs if ins.stream != "disk" and ins.event not in ours)
+    return step_besides(step, ck, rest, "the checkpointing step", "writes", "each must be able to follow the other")
+
+
+def step_besides(step: Program, other: Program, rest: tuple, name: str, ops: str, why: str) -> list[str]:
+    """Problems with `other` as `step` plus a disk stream's `ops` (`rest`: its instructions without them and
+    their events): the same instructions in the same order, and the same buffers."""
+    problems = []
     if rest != step.instrs:
         at = next((k for k, (a, b) in enumerate(zip(rest, step.instrs)) if a != b), min(len(rest), len(step.instrs)))
-        problems.append(f"the checkpointing step differs from the step program at its instruction {at} besides its "
-                        "writes; each must be able to follow the other")
-    if {b.name for b in ck.buffers} != {b.name for b in step.buffers}:
-        problems.append("the checkpointing step has other buffers than the step program")
+        problems.append(f"{name} differs from the step program at its instruction {at} besides its {ops}; {why}")
+    if {b.name for b in other.buffers} != {b.name for b in step.buffers}:
+        problems.append(f"{name} has other buffers than the step program")
     return problems
 
 
