@@ -10,7 +10,10 @@ The layer, as in the Expert Threshold paper (arXiv 2603.11535, §3):
 - gate: sigmoid(r_ti) (default) or softmax over the experts; no renormalisation over the selected experts;
   the weighted sum is accumulated in fp32 (index_add). z comes from the router (routing.py).
 - experts: ReLU² (default) or SwiGLU MLPs of width `expert_dim`, no biases, weights stacked (E, out, in) so a
-  unit streams a few large tensors; each expert runs on exactly its own tokens (a loop: exact FLOPs).
+  unit streams a few large tensors; each expert runs on exactly its own tokens (exact FLOPs): grouped matmuls
+  over device offsets (torch._grouped_mm) where the counts are only on the device, so a training forward
+  reads nothing back (routing.py, "Host syncs"); a loop over the experts where the counts are static, and
+  as the named fallback (one host read of the counts) where torch._grouped_mm cannot run the operands.
 - shared expert: one always-on MLP of the same type and width (optional). First block dense (optional): the
   model's own SwiGLU MLP of width ffn_dim.
 - names: `mlp.router.weight` (E, d), `mlp.experts.{gate,up,down}_proj.weight` (E, out, in),
@@ -87,12 +90,84 @@ class Experts(nn.Module):
         self.up_proj = Stacked(n, width, d)
         self.down_proj = Stacked(n, d, width)
 
-    def forward(self, x: Tensor, counts: list[int]) -> Tensor:
-        """x: (R, d), rows grouped by expert, counts[e] rows for expert e."""
-        ups, downs = self.up_proj.weight.unbind(0), self.down_proj.weight.unbind(0)
-        gates = self.gate_proj.weight.unbind(0) if hasattr(self, "gate_proj") else [None] * len(ups)
-        parts = x.split(counts)
-        return torch.cat([expert_mlp(xe, up, down, gate) for xe, up, down, gate in zip(parts, ups, downs, gates)])
+    def forward(self, x: Tensor, sel: routing.Selection) -> Tensor:
+        """x: (R, d), the selection's rows (grouped by expert); the padding rows (sel.rows) come out 0."""
+        up, down = self.up_proj.weight, self.down_proj.weight
+        gate = self.gate_proj.weight if hasattr(self, "gate_proj") else None
+        if sel.counts is None and grouped_mm_runs(x, up, down):
+            return _grouped_experts(x, sel, up, down, gate, lambda a, b, offs: torch._grouped_mm(a, b, offs=offs))
+        if x.device.type == "meta":  # the tracer: the grouped matmuls' FLOPs and saved tensors, in a loop
+
+            def traced(a: Tensor, b: Tensor, offs: Tensor) -> Tensor:
+                return _TracedGrouped.apply(a, b, offs, sel.counts)
+
+            return _grouped_experts(x, sel, up, down, gate, traced)
+        # the loop: static counts, or the named fallback (one host read) where torch._grouped_mm cannot run
+        counts = sel.counts if sel.counts is not None else routing.read_counts(sel.counts_t)
+        return _looped_experts(x, counts, up, down, gate)
+
+
+def grouped_mm_runs(x: Tensor, *weights: Tensor) -> bool:
+    """torch._grouped_mm runs these operands with no host read of its offsets: torch has it (2.8 on), and on
+    the CPU (a loop over the groups it reads in place) the rows of x and of each weight are 16-byte aligned,
+    or on CUDA the bf16 kernel (compute capability 9 or 10) takes them; CUDA's fallback for other dtypes and
+    GPUs copies the offsets to the host. Not on meta: its meta function takes bf16 only (the tracer prices it
+    with _TracedGrouped)."""
+    if not hasattr(torch, "_grouped_mm") or any(w.dtype != x.dtype for w in weights):
+        return False
+    if x.device.type == "cuda":
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] not in (9, 10):
+            return False
+    elif x.device.type != "cpu" or not x.dtype.is_floating_point:
+        return False
+    align = 16 // x.element_size()
+    return x.stride(-1) == 1 and x.stride(0) % align == 0 and all(
+        w.is_contiguous() and w.shape[-1] % align == 0 and w.shape[-2] % align == 0 for w in weights)
+
+
+def _grouped_experts(x: Tensor, sel: routing.Selection, up: Tensor, down: Tensor, gate: Tensor | None, mm) -> Tensor:
+    """The experts as grouped matmuls `mm(a, b, offs)` over the device offsets: static shapes, no host read.
+    Rows past the last offset (padding) are in no group, so the matmuls leave them (and their input gradients)
+    unwritten: the two `where`s keep them out of the output and out of x's gradient, exactly (a select, never
+    a product)."""
+    offs = sel.offsets()
+    if sel.rows is not None:
+        x = torch.where(sel.rows[:, None], x, 0)
+    h = mm(x, up.transpose(-2, -1), offs)
+    h = F.silu(mm(x, gate.transpose(-2, -1), offs)) * h if gate is not None else F.relu(h).square()
+    y = mm(h, down.transpose(-2, -1), offs)
+    return y if sel.rows is None else torch.where(sel.rows[:, None], y, 0)
+
+
+class _TracedGrouped(torch.autograd.Function):
+    """torch._grouped_mm as the tracer (meta tensors) prices it, whose meta function takes bf16 only: the same
+    products as a loop over the groups' static `sizes`, saving what torch._grouped_mm saves (a, b, offs), so a
+    plan's FLOPs and saved bytes bound the run's."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, b: Tensor, offs: Tensor, sizes: list[int]) -> Tensor:
+        ctx.save_for_backward(a, b, offs)
+        ctx.sizes = sizes
+        return torch.cat([ai @ bi for ai, bi in zip(a.split(sizes), b.unbind(0))])
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        a, b, _ = ctx.saved_tensors
+        a_parts, g_parts = a.split(ctx.sizes), grad.split(ctx.sizes)
+        grad_a = torch.cat([gi @ bi.transpose(-2, -1) for gi, bi in zip(g_parts, b.unbind(0))])
+        grad_b = torch.stack([ai.transpose(-2, -1) @ gi for ai, gi in zip(a_parts, g_parts)])
+        return grad_a, grad_b, None, None
+
+
+def _looped_experts(x: Tensor, counts: list[int], up: Tensor, down: Tensor, gate: Tensor | None) -> Tensor:
+    """One expert_mlp per expert on its counts[e] rows (host ints); rows past them (padding) come out 0."""
+    gates = gate.unbind(0) if gate is not None else [None] * len(counts)
+    pairs = sum(counts)
+    parts = (x[:pairs] if pairs < x.shape[0] else x).split(counts)
+    ys = [expert_mlp(xe, u, dn, g) for xe, u, dn, g in zip(parts, up.unbind(0), down.unbind(0), gates)]
+    if pairs < x.shape[0]:
+        ys.append(x.new_zeros((x.shape[0] - pairs, down.shape[1])))
+    return torch.cat(ys)
 
 
 class _AuxGrad(torch.autograd.Function):
@@ -136,7 +211,7 @@ class MoEFFN(nn.Module):
         probs = torch.softmax(logits, dim=-1) if m.gate == "softmax" or with_aux else None
         pair = (sel.token_idx, sel.expert_idx)
         gate = probs[pair] if m.gate == "softmax" else torch.sigmoid(logits[pair])
-        y = self.experts(x[sel.token_idx], sel.counts)
+        y = self.experts(x[sel.token_idx], sel)
         out = self.shared(x).float() if hasattr(self, "shared") else x.new_zeros(x.shape, dtype=torch.float32)
         out = out.index_add(0, sel.token_idx, y.float() * gate[:, None])
         if ctx is not None:

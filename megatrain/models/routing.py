@@ -29,17 +29,23 @@ forward reads them and never writes them; `update_buffers` changes them, once pe
 statistics the step's first forwards recorded. A backward's recompute routes exactly like the first forward
 (the buffers have not changed) and records nothing: its step context has no log.
 
-Host syncs (a GPU must not wait for the host in every layer): the routing decision stays on the device (the
-threshold's bias correction and the warmup switch are tensor ops, tokens are grouped by expert with a scatter
-at the known total, no nonzero, mask indexing, bincount or blocking copy), and a routed layer reads one thing
-back: its experts' row counts, which the per-expert loop needs (`host_counts`; expert choice needs none, its
-counts are k each). A training forward records them in its RoutingLog; the backward's recompute replays them
-(`step_context(..., replay=log.counts)`, checked on the device without a read), so it syncs nowhere. The
-statistics travel to the host by non-blocking copies into pinned memory on the d2h stream (`to_host`).
+Host syncs (a GPU must not wait for the host in every layer): a training forward reads nothing back. The
+routing decision stays on the device (the threshold's bias correction and the warmup switch are tensor ops,
+tokens are grouped by expert with a scatter, no nonzero, mask indexing, bincount or blocking copy) and every
+training selection has a static row count: expert choice k per expert, token choice N x top_k pairs, ET at
+most k_max per expert, so E x k_max rows of which the first sum(take) are pairs and the rest padding
+(`Selection.rows`). The experts run on device offsets (models/moe.py, torch._grouped_mm). What still reads
+the row counts (`read_counts`, its one named device read): inference's threshold test (its total is not
+bounded below N x E) and the experts' fallback loop where torch._grouped_mm cannot run without one. A
+training forward records its counts, on the device, in its RoutingLog; the backward's recompute is handed
+them (`step_context(..., replay=log.counts)`) and checks on the device, without a read, that it routed the
+same. The statistics travel to the host by non-blocking copies into pinned memory on the d2h stream
+(`to_host`).
 
 Static shapes for tracing: on the meta device every expert takes ceil(N * top_k / E) tokens, so traced
-FLOPs are those of the expected active tokens; under `capacity_bound()` (the tracer's memory pass) an ET
-expert takes k_max, so traced saved bytes bound what a training step can keep.
+FLOPs are those of the expected active tokens (the grouped matmuls compute no padding row); under
+`capacity_bound()` (the tracer's memory pass) an ET expert takes k_max, the E x k_max rows a training step
+keeps, so traced saved bytes bound what it can keep (moe.py prices the grouped matmuls on meta).
 """
 
 from __future__ import annotations
@@ -62,11 +68,11 @@ class RoutingLog:
     module order (`cutoff`: the k-th largest logit per expert; `lag`: the threshold lag c_eff - cutoff per
     expert and `above`: the pairs with r >= c_eff, meaningful once the EMA has an update (`lagged` 1); `counts`:
     tokens each expert took; `dropped`, `padded`: capacity drops and pads; `zero`: tokens with no routed
-    expert; `tokens`; `aux`: the aux loss), and per layer that read them, its experts' row counts on the host
-    (`counts`, what a recompute replays)."""
+    expert; `tokens`; `aux`: the aux loss), and per layer its experts' row counts, on the device (`counts`,
+    what a recompute checks its routing against)."""
 
     records: list[dict[str, Tensor]] = field(default_factory=list)
-    counts: list[list[int]] = field(default_factory=list)
+    counts: list[Tensor] = field(default_factory=list)
 
     def to_host(self, copy=None) -> list[dict[str, Tensor]]:
         """The records on the host; `copy(t)` moves one tensor (default: a blocking `.to("cpu")`; the engine
@@ -76,12 +82,13 @@ class RoutingLog:
 
 
 class Replay:
-    """The row counts a training forward read, handed back in order to the recompute of the same unit."""
+    """The row counts a training forward routed (device tensors), handed in order to the recompute of the
+    same unit, which checks its own against them."""
 
-    def __init__(self, counts: list[list[int]]):
+    def __init__(self, counts: list[Tensor]):
         self.counts, self.at = counts, 0
 
-    def next(self) -> list[int]:
+    def next(self) -> Tensor:
         if self.at >= len(self.counts):
             raise RuntimeError(f"a recompute routed {self.at + 1} MoE layers, but its forward recorded "
                                f"{len(self.counts)}; the recompute must run the forward's layers in order")
@@ -93,7 +100,7 @@ class Replay:
 class StepContext:
     log: RoutingLog | None  # where a step's first forward records; None in a recompute, which must not
     loss_scale: float  # d(step loss) / d(summed token loss): 1 / the step's target tokens
-    replay: Replay | None = None  # a recompute's row counts, as its forward read them
+    replay: Replay | None = None  # a recompute's row counts, as its forward routed them
 
 
 _CONTEXT: ContextVar[StepContext | None] = ContextVar("megatrain_routing_context", default=None)
@@ -101,11 +108,11 @@ _CAPACITY_BOUND: ContextVar[bool] = ContextVar("megatrain_routing_capacity_bound
 
 
 @contextmanager
-def step_context(log: RoutingLog | None, loss_scale: float, replay: list[list[int]] | None = None) -> Iterator[None]:
+def step_context(log: RoutingLog | None, loss_scale: float, replay: list[Tensor] | None = None) -> Iterator[None]:
     """Run a unit as part of a training step: MoE layers record into `log` (when given) and add their aux
     loss's gradient scaled by `loss_scale`. Without a context a layer records nothing and adds no aux loss.
-    `replay`: the row counts the unit's forward recorded (its log's `counts`), for a recompute that must
-    route as it did without reading anything back from the device."""
+    `replay`: the row counts the unit's forward recorded (its log's `counts`), for a recompute that checks,
+    on the device, that it routes as its forward did."""
     token = _CONTEXT.set(StepContext(log, loss_scale, Replay(replay) if replay is not None else None))
     try:
         yield
@@ -141,23 +148,45 @@ def capacity(k: int, factor: float, n_tokens: int) -> tuple[int, int]:
 # -- selection -----------------------------------------------------------------------------------------------
 @dataclass
 class Selection:
-    """The (token, expert) pairs a layer computes, grouped by expert: `counts[e]` pairs of expert e (host ints;
-    `counts_t` the same on the device)."""
+    """The (token, expert) pairs a layer computes in R rows, grouped by expert: expert e's `counts_t[e]` pairs
+    follow expert e-1's. Where `rows` is given, only the rows it marks are pairs: the rest, at the end, are
+    padding (token 0, the last expert) that the experts leave 0 and so contributes nothing. `counts`: the
+    counts on the host where known without a device read (static selections, or one that read them), else None."""
 
     token_idx: Tensor  # (R,) int64
     expert_idx: Tensor  # (R,) int64
-    counts: list[int]
+    counts: list[int] | None
     stats: dict[str, Tensor] = field(default_factory=dict)
     counts_t: Tensor | None = None  # (E,) int64, on the logits' device
+    rows: Tensor | None = None  # (R,) bool, the rows that are pairs; None: every row is
+
+    def offsets(self) -> Tensor:
+        """Each expert's end row, int32 on the device: torch._grouped_mm's `offs`."""
+        return self.counts_t.cumsum(0).to(torch.int32)
 
 
 def select(moe, logits: Tensor, buffers: dict[str, Tensor], training: bool) -> Selection:
-    """Route the (N, E) fp32 logits of one micro-batch; no gradient flows through the choice."""
+    """Route the (N, E) fp32 logits of one micro-batch; no gradient flows through the choice. In a training
+    step's forward the row counts go into its log; in its recompute they are checked against the log's."""
+    sel = _route(moe, logits, buffers, training)
+    ctx = current()
+    if training and ctx is not None and logits.device.type != "meta":
+        if ctx.replay is not None:
+            _check_replay(sel.counts_t, ctx.replay.next())
+        elif ctx.log is not None:
+            ctx.log.counts.append(sel.counts_t)
+    return sel
+
+
+def _route(moe, logits: Tensor, buffers: dict[str, Tensor], training: bool) -> Selection:
     n, e = logits.shape
     k = expected_rows(n, moe.top_k, e)
     if logits.device.type == "meta":
         rows = capacity(k, moe.capacity_factor, n)[1] if moe.router == "et" and _CAPACITY_BOUND.get() else k
-        return _static(logits, rows)
+        sel = _static(logits, rows)
+        if moe.router == "et" and training:  # as a run's ET selection: a row mask (every row a pair here)
+            sel.rows = torch.ones(sel.token_idx.shape, dtype=torch.bool, device=logits.device)
+        return sel
     if moe.router == "tc":
         bias = buffers.get("bias")
         return token_choice(logits if bias is None else logits + bias, moe.top_k)
@@ -197,7 +226,8 @@ def threshold_with_capacity(logits: Tensor, c_eff: Tensor, k: int, k_min: int, k
                             warmup: Tensor | bool = False) -> Selection:
     """Tokens with r >= c_eff, at most k_max (the lowest dropped) and at least k_min (padded with the next
     highest below the threshold) per expert; while `warmup` (a device bool: updates < warmup_steps), expert
-    choice instead: each expert's k highest. Either way the k-th largest logit (`cutoff`) is recorded."""
+    choice instead: each expert's k highest. Either way the k-th largest logit (`cutoff`) is recorded. The
+    selection has E x k_max rows, the pairs first, padding after (Selection.rows)."""
     values, top = logits.topk(k_max, dim=0)  # (k_max, E), each column by descending logit
     top = top.T  # (E, k_max)
     above = (logits >= c_eff).sum(0)
@@ -207,71 +237,61 @@ def threshold_with_capacity(logits: Tensor, c_eff: Tensor, k: int, k_min: int, k
     stats = {"dropped": (above - k_max).clamp(min=0).sum().float() * capped,
              "padded": (k_min - above).clamp(min=0).sum().float() * capped,
              "cutoff": values[k - 1]}
-    sel = _grouped(torch.arange(k_max, device=logits.device) < take[:, None], top, take)
+    sel = _grouped(torch.arange(k_max, device=logits.device) < take[:, None], top, take, top.numel(), padded=True)
     sel.stats.update(stats)
     return sel
 
 
 def token_choice(scores: Tensor, top_k: int) -> Selection:
-    """Each token takes its top_k experts by `scores`."""
+    """Each token takes its top_k experts by `scores`: N x top_k pairs."""
     chosen = scores.topk(top_k, dim=1).indices
-    return _from_mask(torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen, True))
+    return _from_mask(torch.zeros_like(scores, dtype=torch.bool).scatter_(1, chosen, True), chosen.numel())
 
 
-def _from_mask(mask: Tensor) -> Selection:
-    """The pairs of an (N, E) assignment mask, grouped by expert, tokens ascending within each."""
+def _from_mask(mask: Tensor, pairs: int | None = None) -> Selection:
+    """The pairs of an (N, E) assignment mask, grouped by expert, tokens ascending within each; `pairs`: how
+    many there are, where known statically (else read from the device)."""
     n = mask.shape[0]
     tokens = torch.arange(n, device=mask.device).expand(mask.shape[1], n)
-    return _grouped(mask.T, tokens, mask.sum(0))
+    return _grouped(mask.T, tokens, mask.sum(0), pairs)
 
 
-def _grouped(valid: Tensor, values: Tensor, counts_t: Tensor) -> Selection:
+def _grouped(valid: Tensor, values: Tensor, counts_t: Tensor, rows: int | None, padded: bool = False) -> Selection:
     """Selection of the `values` (E, M) where `valid`, expert by expert in row order, with `counts_t` (E,) =
-    valid.sum(1). Static shapes but for the total, which the one host read (host_counts) gives: a scatter
-    places each valid entry at its expert's offset plus its rank (each invalid one in a slot of its own past
-    the end, so no two writes meet, then dropped), and repeat_interleave is told its output size."""
-    counts = host_counts(counts_t)
-    total = sum(counts)
+    valid.sum(1), in `rows` rows: exactly the pairs, or with `padded` a bound on them (the rest padding);
+    `rows` None: the pairs read from the device (read_counts; only inference's threshold test, whose total
+    has no useful static bound). A scatter places each valid entry at its expert's offset plus its rank (each
+    invalid one in a slot of its own past the end, so no two writes meet, then dropped)."""
+    counts = None
+    if rows is None:
+        counts = read_counts(counts_t)
+        rows = sum(counts)
     e, m = valid.shape
     rank = valid.cumsum(1) - 1
-    offsets = counts_t.cumsum(0) - counts_t
-    spill = total + torch.arange(e * m, device=valid.device).view(e, m)
-    dest = torch.where(valid, offsets[:, None] + rank, spill)
-    flat = torch.empty(total + e * m, dtype=torch.long, device=valid.device)
+    ends = counts_t.cumsum(0)
+    spill = rows + torch.arange(e * m, device=valid.device).view(e, m)
+    dest = torch.where(valid, (ends - counts_t)[:, None] + rank, spill)
+    flat = torch.zeros(rows + e * m, dtype=torch.long, device=valid.device)  # zeros: padding rows take token 0
     # NOTE: a copy of its own: the gather keeps token_idx for backward, which must not hold the spill slots
-    token_idx = flat.scatter_(0, dest.reshape(-1), values.reshape(-1))[:total].clone()
-    expert_idx = torch.arange(e, device=valid.device).repeat_interleave(counts_t, output_size=total)
-    return Selection(token_idx, expert_idx, counts, counts_t=counts_t)
-
-
-def host_counts(counts_t: Tensor) -> list[int]:
-    """The experts' row counts on the host: the one device read of a routed layer, recorded in the step's log
-    by a training forward, or replayed (and checked on the device, without a read) in its recompute."""
-    ctx = current()
-    if ctx is not None and ctx.replay is not None:
-        counts = ctx.replay.next()
-        _check_replay(counts_t, counts)
-        return counts
-    counts = read_counts(counts_t)
-    if ctx is not None and ctx.log is not None:
-        ctx.log.counts.append(counts)
-    return counts
+    token_idx = flat.scatter_(0, dest.reshape(-1), values.reshape(-1))[:rows].clone()
+    row = torch.arange(rows, device=valid.device)
+    expert_idx = torch.searchsorted(ends, row, right=True).clamp_(max=e - 1)  # the expert whose rows hold it
+    return Selection(token_idx, expert_idx, counts, counts_t=counts_t, rows=row < ends[-1] if padded else None)
 
 
 def read_counts(counts_t: Tensor) -> list[int]:
-    """counts_t to host ints: a device sync (its own function so tests can count them)."""
+    """counts_t to host ints: a device sync (its own function so tests can count them). A training forward
+    makes none where torch._grouped_mm runs (models/moe.py, grouped_mm_runs)."""
     return counts_t.tolist()
 
 
-def _check_replay(counts_t: Tensor, counts: list[int]) -> None:
-    """A recompute must route as its forward did: compare two checksums of the counts on the device."""
-    if len(counts) != counts_t.numel():
-        raise RuntimeError(f"a recompute replays {len(counts)} expert counts for a layer of {counts_t.numel()} "
+def _check_replay(counts_t: Tensor, counts: Tensor) -> None:
+    """A recompute must route as its forward did: compare its row counts with the forward's on the device."""
+    if counts.shape != counts_t.shape:
+        raise RuntimeError(f"a recompute checks {counts.numel()} expert counts for a layer of {counts_t.numel()} "
                            "experts: its forward recorded another layer")
-    w = torch.arange(1, len(counts) + 1, device=counts_t.device)
     # NOTE: a failed device assert on CUDA ends the process's CUDA context: better than wrong gradients
-    torch._assert_async((counts_t * w).sum() == sum(c * (i + 1) for i, c in enumerate(counts)))
-    torch._assert_async((counts_t * counts_t).sum() == sum(c * c for c in counts))
+    torch._assert_async((counts_t == counts).all())
 
 
 def _static(logits: Tensor, rows: int) -> Selection:
@@ -285,8 +305,8 @@ def _static(logits: Tensor, rows: int) -> Selection:
 def record_stats(sel: Selection, n_tokens: int, n_experts: int) -> dict[str, Tensor]:
     """The statistics of one layer's training forward (RoutingLog's per-layer dict), on the device: no sync."""
     counts = sel.counts_t.float()
-    routed = torch.zeros(n_tokens, dtype=torch.bool, device=counts.device)
-    routed[sel.token_idx] = True
+    hits = torch.ones_like(sel.token_idx) if sel.rows is None else sel.rows.long()  # padding routes no token
+    routed = torch.zeros(n_tokens, dtype=torch.long, device=counts.device).index_add_(0, sel.token_idx, hits) > 0
     zero = torch.zeros((), device=counts.device)
     return {"counts": counts, "zero": (~routed).sum().float(), "dropped": sel.stats.get("dropped", zero),
             "padded": sel.stats.get("padded", zero), "tokens": torch.full((), float(n_tokens), device=counts.device),

@@ -12,8 +12,8 @@ backward, validation). The embedding (a lookup: nothing to fuse) and the head ru
 graph saved its logits for backward where the eager loss chunks keep them from living at once (measured on
 tiny: 131 kB over the plan's peak; at a 128k vocabulary and 8k tokens that is GiBs), so the plan's memory
 timeline, which the eager trace gives, would not hold. A call with a mode (a depth mixing's record /
-rebuild / side) runs eagerly, as does every unit of an MoE model (its routing reads row counts on the host
-and uses context variables, which break graphs and would recompile per routing). Each template's function is a code object of its own, so dynamo's cache
+rebuild / side) runs eagerly, as does every unit of an MoE model (its routing uses context variables and a
+data-dependent layout, which break graphs and would recompile per routing). Each template's function is a code object of its own, so dynamo's cache
 of recompiles per function (grad mode, train/eval) is per template, not shared by all of them.
 
 Cost: the first step compiles (tens of seconds on 2 cores for a small model, once per template and mode).

@@ -3,8 +3,8 @@
 Where it sits: the Engine (engine.py) mixes in `RoutingLogs`; the host store (store.py) calls `update_unit_buffers`
 at a unit's optimizer step. Units with buffers (MoE routing state, models/routing.py) run every step's forward in
 a routing step context: the forward records the step's routing statistics in a RoutingLog per (unit,
-micro-batch), and the experts' row counts it read from the device; a backward's recompute replays those counts
-(the buffers change only at the optimizer step, so it routes the same way) without reading anything back, and
+micro-batch), and the experts' row counts (on the device); a backward's recompute checks on the device that it
+routes as the forward did (the buffers change only at the optimizer step, so it does), reads nothing back, and
 records nothing. store_grads hands the unit's logs to the host store with its gradients (in a world: every
 rank's, which the gradient collective gathered), and the store's optimizer step updates the buffers from them,
 as the eager reference does after optimizer.step().
@@ -29,7 +29,7 @@ class RoutingLogs:
         return routing.step_context(logs.setdefault(unit, {}).setdefault(mb, routing.RoutingLog()), scale)
 
     def _recompute_context(self, unit: str, mb: int, scale: float):
-        """A backward's recompute: route as the forward did (the row counts it read), record nothing."""
+        """A backward's recompute: route as the forward did (checked against its row counts), record nothing."""
         routed = self.routing_logs.get(unit, {}).get(mb)
         return routing.step_context(None, scale, replay=routed.counts if routed else None)
 

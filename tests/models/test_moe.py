@@ -34,6 +34,11 @@ def with_moe(config: ModelConfig = MOE_TINY, **moe) -> ModelConfig:
     return ModelConfig(**{**config.model_dump(), "moe": {**config.moe.model_dump(), **moe}})
 
 
+def counts(sel: routing.Selection) -> list[int]:
+    """The selection's row counts per expert, read from the device (tests only)."""
+    return sel.counts_t.tolist()
+
+
 # -- configs and sizes ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("moe, field, fix", [
     ({"n_experts": 0}, "moe.n_experts", ">= 1"),
@@ -140,13 +145,14 @@ def test_capacity_bounds_drop_above_and_pad_below():
     above = (logits >= 0).sum(0).tolist()
     assert above == [13, 1, 8]
     sel = routing.threshold_with_capacity(logits, torch.zeros(3), 4, 2, 6)
-    assert sel.counts == [6, 2, 6]  # 13 above -> the top 6 kept; 1 above -> padded to 2; 8 above -> capped at 6
-    for e, count in enumerate(sel.counts):
-        got = sel.token_idx[sel.expert_idx == e]
-        assert torch.equal(got, logits[:, e].topk(count).indices), e  # always the highest-scoring tokens
+    assert counts(sel) == [6, 2, 6]  # 13 above -> the top 6 kept; 1 above -> padded to 2; 8 above -> capped at 6
+    assert sel.token_idx.shape == (3 * 6,) and sel.rows.tolist() == [True] * 14 + [False] * 4  # E x k_max rows
+    pairs, experts = sel.token_idx[sel.rows], sel.expert_idx[sel.rows]
+    for e, count in enumerate(counts(sel)):
+        assert torch.equal(pairs[experts == e], logits[:, e].topk(count).indices), e  # the highest-scoring tokens
     assert float(sel.stats["dropped"]) == (13 - 6) + (8 - 6) and float(sel.stats["padded"]) == 2 - 1
     within = routing.threshold_with_capacity(logits, torch.zeros(3), 8, 0, 16)
-    assert within.counts == above  # inside the bounds: exactly the tokens above the threshold
+    assert counts(within) == above  # inside the bounds: exactly the tokens above the threshold
 
 
 def test_warmup_switch_and_the_inference_rule():
@@ -155,12 +161,12 @@ def test_warmup_switch_and_the_inference_rule():
     high = {"threshold": torch.full((4,), 9.0), "updates": torch.tensor(2.0)}  # no token reaches it
     k = routing.expected_rows(32, 1, 4)
     sel = routing.select(moe, logits, high, training=True)
-    assert sel.counts == [k] * 4  # step 2 < 3 warmup steps: expert choice, thresholds ignored
+    assert counts(sel) == [k] * 4  # step 2 < 3 warmup steps: expert choice, thresholds ignored
     assert torch.equal(sel.stats["cutoff"], logits.topk(k, dim=0).values[k - 1])  # the EMA still learns
-    assert routing.select(moe, logits, {**high, "updates": torch.tensor(3.0)}, training=True).counts == [k // 2] * 4
+    assert counts(routing.select(moe, logits, {**high, "updates": torch.tensor(3.0)}, training=True)) == [k // 2] * 4
     assert routing.select(moe, logits, high, training=False).counts == [0] * 4  # inference: r >= c_eff only
     low = {"threshold": torch.full((4,), -9.0), "updates": torch.tensor(3.0)}
-    assert routing.select(moe, logits, low, training=True).counts == [int(1.5 * k)] * 4
+    assert counts(routing.select(moe, logits, low, training=True)) == [int(1.5 * k)] * 4
     assert routing.select(moe, logits, low, training=False).counts == [32] * 4  # no capacity at inference
 
 
@@ -215,8 +221,8 @@ def test_bias_balancing_balances_within_the_steps_its_rate_allows(rate, balanced
         logits = torch.randn(256, 4, generator=g) * 0.5 + skew
         sel = routing.select(moe, logits, bufs, training=True)
         routing.update_layer(moe, bufs, [routing.record_stats(sel, 256, 4)])
-    load = torch.tensor(sel.counts, dtype=torch.float32)
-    assert (float(load.max() / load.mean()) < 1.3) is balanced, sel.counts
+    load = sel.counts_t.float()
+    assert (float(load.max() / load.mean()) < 1.3) is balanced, counts(sel)
 
 
 # -- causality at inference -----------------------------------------------------------------------------------
@@ -323,30 +329,112 @@ class _Syncs(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-@pytest.mark.parametrize("router, moe, reads", [
-    ("et", {"warmup_steps": 0}, 1), ("et", {"warmup_steps": 100}, 1), ("tc", {"top_k": 2}, 1),
-    ("tc", {"balance": "aux", "gate": "softmax"}, 1), ("ec", {}, 0)])
-def test_routing_reads_the_device_once_per_layer_and_its_recompute_never(router, moe, reads, monkeypatch):
-    """A routed layer's forward reads one thing back (its experts' row counts, which the per-expert loop needs)
-    and syncs nowhere else; the recompute replays the counts its forward recorded and reads nothing."""
+def _layer(router: str, **moe) -> MoEFFN:
     layer = build_eager(with_moe(router=router, **moe), seed=2).blocks[1].mlp
-    if router == "et":
+    if router == "et":  # thresholds route (after warmup): drops and pads, an uneven E x k_max layout
         layer.updates.fill_(7.0)
         layer.threshold.fill_(0.1 * (1 - layer.moe.momentum**7))
-    x = torch.randn(2, 24, layer.router.in_features, generator=torch.Generator().manual_seed(5))
-    counted = []
+    return layer
+
+
+ROUTED = [("et", {"warmup_steps": 0}), ("et", {"warmup_steps": 100}), ("tc", {"top_k": 2}),
+          ("tc", {"balance": "aux", "gate": "softmax"}), ("ec", {}),
+          ("et", {"warmup_steps": 0, "expert_mlp": "swiglu"})]
+
+
+def _counting_reads(monkeypatch) -> list[int]:
+    counted: list[int] = []
     read = routing.read_counts
     monkeypatch.setattr(routing, "read_counts", lambda t: counted.append(1) or read(t))
+    return counted
+
+
+@pytest.mark.parametrize("router, moe", ROUTED)
+def test_a_routed_training_step_reads_nothing_from_the_device(router, moe, monkeypatch):
+    """A routed layer's training forward, its backward and its recompute sync nowhere: every training selection
+    has static shapes and the experts run on device offsets (torch._grouped_mm); the recompute checks its row
+    counts against its forward's on the device."""
+    layer = _layer(router, **moe)
+    x = torch.randn(2, 24, layer.router.in_features, generator=torch.Generator().manual_seed(5), requires_grad=True)
+    counted = _counting_reads(monkeypatch)
     log = routing.RoutingLog()
     with routing.step_context(log, 1 / 48), _Syncs() as syncs:
         first = layer(x)
-    assert (len(counted), syncs.found) == (reads, [])
-    assert len(log.counts) == reads and len(log.records) == 1
-    counted.clear()
+        first.square().sum().backward()
+    assert (counted, syncs.found) == ([], [])
+    assert len(log.counts) == len(log.records) == 1
     with routing.step_context(None, 1 / 48, replay=log.counts), _Syncs() as syncs:
         again = layer(x)
-    assert (len(counted), syncs.found) == (0, [])
+    assert (counted, syncs.found) == ([], [])
     assert torch.equal(first, again)
+
+
+@pytest.mark.parametrize("router, moe", ROUTED)
+def test_grouped_experts_equal_the_per_expert_loop_bit_for_bit(router, moe, monkeypatch):
+    """The grouped matmuls give the bits of the loop over the experts, each on exactly its own rows (the
+    fallback, and what the layer ran before it read nothing back), forward and gradients, padding included:
+    a padding row adds an exact 0 to its token's output and gradient."""
+    from megatrain.models import moe as moe_module
+
+    def run() -> list[torch.Tensor]:
+        layer = _layer(router, **moe)
+        x = torch.randn(2, 24, layer.router.in_features, generator=torch.Generator().manual_seed(5),
+                        requires_grad=True)
+        w = torch.randn(2, 24, layer.router.in_features, generator=torch.Generator().manual_seed(6))
+        with routing.step_context(routing.RoutingLog(), 1 / 48):
+            out = layer(x)
+        (out * w).sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in layer.parameters())]
+
+    grouped = run()
+    counted = _counting_reads(monkeypatch)
+    monkeypatch.setattr(moe_module, "grouped_mm_runs", lambda *a: False)
+    looped = run()
+    assert len(counted) == (0 if router == "ec" else 1)  # the fallback's one named read (expert choice: static)
+    assert all(torch.equal(a, b) for a, b in zip(grouped, looped))
+
+
+class _GarbageTail(torch.autograd.Function):
+    """torch._grouped_mm, with the rows past the last offset (in no group: unwritten, on a GPU whatever the
+    memory held) set to NaN in its output and in its input's gradient."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        out = _GROUPED_MM(a, b, offs=offs)
+        out[int(offs[-1]):] = float("nan")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, offs = ctx.saved_tensors
+        with torch.enable_grad():
+            a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+            ga, gb = torch.autograd.grad(_GROUPED_MM(a_, b_, offs=offs), (a_, b_), grad)
+        ga[int(offs[-1]):] = float("nan")
+        return ga, gb, None
+
+
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+
+
+@pytest.mark.skipif(_GROUPED_MM is None, reason="torch._grouped_mm needs torch >= 2.8")
+def test_padding_rows_never_leak_what_the_grouped_matmul_left_in_them(monkeypatch):
+    """ET's padding rows are in no group of the grouped matmuls: whatever those leave in them (NaN here) is
+    selected away, never multiplied, so outputs and gradients keep their bits."""
+    def run() -> list[torch.Tensor]:
+        layer = _layer("et", warmup_steps=0)
+        x = torch.randn(2, 24, layer.router.in_features, generator=torch.Generator().manual_seed(5),
+                        requires_grad=True)
+        with routing.step_context(routing.RoutingLog(), 1 / 48):
+            out = layer(x)
+        out.square().sum().backward()
+        return [out.detach(), x.grad, *(p.grad for p in layer.parameters())]
+
+    want = run()
+    monkeypatch.setattr(torch, "_grouped_mm", lambda a, b, offs: _GarbageTail.apply(a, b, offs))
+    got = run()
+    assert all(torch.isfinite(g).all() and torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_a_recompute_that_routes_otherwise_than_its_forward_is_caught():
@@ -355,8 +443,9 @@ def test_a_recompute_that_routes_otherwise_than_its_forward_is_caught():
     log = routing.RoutingLog()
     with routing.step_context(log, 1 / 48):
         layer(x)
-    wrong = [[c + (1 if i == 0 else -1 if i == 1 else 0) for i, c in enumerate(log.counts[0])]]
-    with routing.step_context(None, 1 / 48, replay=wrong), pytest.raises(RuntimeError):
+    shift = torch.zeros_like(log.counts[0])
+    shift[:2] = torch.tensor([1, -1])
+    with routing.step_context(None, 1 / 48, replay=[log.counts[0] + shift]), pytest.raises(RuntimeError):
         layer(x)
     with routing.step_context(None, 1 / 48, replay=[]), pytest.raises(RuntimeError, match="forward recorded 0"):
         layer(x)

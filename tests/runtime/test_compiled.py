@@ -75,7 +75,7 @@ def test_a_depth_mixing_rebuild_runs_its_modes_eagerly():
 
 def test_what_runs_eagerly():
     moe = preset("moe-tiny")
-    assert set(runners(moe, templates(moe), True).values()) == {run_unit}  # MoE: routing reads the host
+    assert set(runners(moe, templates(moe), True).values()) == {run_unit}  # MoE: its routing breaks graphs
     assert set(runners(TINY, templates(TINY), False).values()) == {run_unit}  # the default
     compiled = runners(TINY, templates(TINY), True)
     assert set(compiled) == set(templates(TINY))
