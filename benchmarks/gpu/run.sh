@@ -231,7 +231,7 @@ fi
 # session stops itself 10 s before the stage's limit where pytest-timeout can (2.3+), so its junit is written
 CUDA_TEST_FILES=(tests/runtime/test_cuda.py tests/runtime/test_cuda_long.py tests/runtime/test_device.py
   tests/runtime/test_distributed.py tests/runtime/test_fake_cuda.py tests/runtime/test_fake_cuda_edges.py
-  tests/runtime/test_resident.py tests/runtime/test_streamed_checkpoints.py)
+  tests/runtime/test_resident.py tests/runtime/test_streamed_checkpoints.py tests/runtime/test_streamed_resume.py)
 SESSION=()
 "$PY" -P -c 'import inspect, pytest_timeout, sys; sys.exit("session_timeout" not in inspect.getsource(pytest_timeout))' \
   2>/dev/null && SESSION=(--session-timeout "$(($(limit cuda-tests) - 10))")
