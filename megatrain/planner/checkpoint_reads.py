@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.ir.model_ir import ModelIR
-from megatrain.ir.program import Instr, Program
+from megatrain.ir.program import Instr, Program, resident_units
 
 from .checkpoint_writes import step_besides
 from .sync import tied_owners
@@ -74,8 +74,9 @@ def state_units(ins: Instr, owners: dict[str, list[str]], units: list[str]) -> t
 
 
 def device_units(program: Program) -> list[str]:
-    """Units whose state lives on the device (a device_step): read before the first step, not streamed."""
-    return list(dict.fromkeys(ins.unit for ins in program.instrs if ins.op == "device_step"))
+    """Units whose state lives on the device (ir/program.py `resident_units`): read before the first step, not
+    streamed."""
+    return [u for u, place in resident_units(program).items() if place == "device"]
 
 
 def resume_program(step: Program, ir: ModelIR | None = None) -> Program:

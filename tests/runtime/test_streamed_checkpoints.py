@@ -130,7 +130,10 @@ def test_the_writes_overlap_the_step(token_files, tmp_path):
     assert any(c[3] < d[4] and d[3] < c[4] for d in disk for c in compute)
 
 
-def test_units_whose_state_lives_on_the_device_are_streamed_bit_for_bit(token_files, tmp_path):
+def _device_units_stream_as_synchronous(token_files, tmp_path, target: str, device: str, hardware, budget: int,
+                                        **run_kw):
+    """blocks.0 and blocks.1 stepped on `device` (traced for `target`): a run writing a checkpoint every step gives the files, and the
+    state, of the same run saving between steps."""
     from checkpoint_helpers import TINY
 
     from megatrain.planner import plan
@@ -138,26 +141,29 @@ def test_units_whose_state_lives_on_the_device_are_streamed_bit_for_bit(token_fi
     from megatrain.runtime.config import RunConfig
     from megatrain.runtime.trainer import Trainer
 
-    budget = 16 * 2**20
-    p = plan(trace_model(TINY, 2, 64, "float32", "cpu"), "cpu", SPEC, budget,
+    p = plan(trace_model(TINY, 2, 64, "float32", target), hardware, SPEC, budget,
              resident={"blocks.0": "device", "blocks.1": "device"})
     root = tmp_path / "ck"
 
     def trainer():
-        return Trainer(RunConfig(model=TINY, train=SPEC, gpu_mem=budget, device="sim", data=token_files[0],
+        return Trainer(RunConfig(model=TINY, train=SPEC, gpu_mem=budget, device=device, data=token_files[0],
                                  checkpoint_dir=root, checkpoint_every=1, keep_checkpoints=10), plan=p)
 
     with trainer() as t:
         assert t._writing_program is not None
-        t.run(3, progress=False)
+        t.run(3, progress=False, **run_kw)
         state = snapshot(t.store)
     streamed = digests(root)
     shutil.rmtree(root)
     with trainer() as t:
         t._writing_program = None
-        t.run(3, progress=False)
+        t.run(3, progress=False, **run_kw)
         assert_same_state(snapshot(t.store), state)
     assert sorted(streamed) == [1, 2, 3] and streamed == digests(root)
+
+
+def test_units_whose_state_lives_on_the_device_are_streamed_bit_for_bit(token_files, tmp_path):
+    _device_units_stream_as_synchronous(token_files, tmp_path, "cpu", "sim", "cpu", 16 * 2**20)
 
 
 @pytest.mark.cuda
@@ -167,31 +173,10 @@ def test_on_cuda_device_units_are_pulled_on_a_stream_of_their_own_and_written_bi
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA (or MEGATRAIN_FAKE_CUDA=1)")
-    from checkpoint_helpers import TINY
+    from megatrain.planner import hardware_preset
 
-    from megatrain.planner import hardware_preset, plan
-    from megatrain.planner.loading import trace_model
-    from megatrain.runtime.config import RunConfig
-    from megatrain.runtime.trainer import Trainer
-
-    budget = 2 * 2**30
-    p = plan(trace_model(TINY, 2, 64, "float32", "cuda"), hardware_preset("h100-sxm"), SPEC, budget,
-             resident={"blocks.0": "device", "blocks.1": "device"})
-    root = tmp_path / "ck"
-
-    def trainer():
-        return Trainer(RunConfig(model=TINY, train=SPEC, gpu_mem=budget, device="cuda", data=token_files[0],
-                                 checkpoint_dir=root, checkpoint_every=1, keep_checkpoints=10), plan=p)
-
-    with trainer() as t:
-        assert t._writing_program is not None
-        t.run(3, progress=False, handle_signals=False)
-    streamed = digests(root)
-    shutil.rmtree(root)
-    with trainer() as t:
-        t._writing_program = None
-        t.run(3, progress=False, handle_signals=False)
-    assert sorted(streamed) == [1, 2, 3] and streamed == digests(root)
+    _device_units_stream_as_synchronous(token_files, tmp_path, "cuda", "cuda", hardware_preset("h100-sxm"), 2 * 2**30,
+                                        handle_signals=False)
 
 
 def test_the_probe_measures_checkpoint_writes_where_they_go_and_leaves_nothing(tmp_path):
